@@ -1,0 +1,24 @@
+"""phalanx: a cluster of processes that trains one PyTorch model like one reliable machine.
+
+The user-facing API lives in :mod:`phalanx.train.api`; ``phalanx.join()`` is the entry point
+inside a script started by ``phalanx launch``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from phalanx.train.api import Job
+
+
+def join(**overrides: Any) -> "Job":
+    """Join the cluster this process was started into by ``phalanx launch``."""
+    from phalanx.train.api import join as _join
+
+    return _join(**overrides)
+
+
+__all__ = ["join", "__version__"]
