@@ -1,0 +1,140 @@
+"""The ``phalanx`` command. Argument parsing and printing only; the work lives in runtime/."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from phalanx.core.errors import PhalanxError
+
+
+def _train(args: argparse.Namespace) -> int:
+    from phalanx.faults.plan import default_plan_path, load_fault_plan
+    from phalanx.runtime.train_job import TrainOptions, run_train
+
+    plan = None if args.no_faults else load_fault_plan(args.fault_plan or default_plan_path())
+    run_dir = Path(args.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+    summary = run_train(TrainOptions(workers=args.workers, steps=args.steps, seed=args.seed, run_dir=run_dir,
+                                     fault_plan=plan, checkpoint_every_steps=args.checkpoint_every,
+                                     resume=args.resume, reference=not args.no_reference,
+                                     show_progress=not args.quiet))
+    from phalanx.cli.printing import print_summary
+
+    print_summary(summary, run_dir)
+    if not summary["ok"]:
+        print(f"phalanx train: FAILED: {summary.get('reason') or 'strict checks did not hold'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from phalanx.faults.plan import EMPTY_PLAN, load_fault_plan
+    from phalanx.runtime.launcher import LaunchConfig, launch, write_metrics
+
+    cmd = args.command
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise PhalanxError("nothing to run: give the worker command after --, e.g. `phalanx launch -- python train.py`")
+    if args.coordinator and not args.token_file:
+        raise PhalanxError("--coordinator needs --token-file: multi-machine runs must share a cluster token")
+    plan = load_fault_plan(args.fault_plan) if args.fault_plan else EMPTY_PLAN
+    plan.validate_workers(args.workers)
+    plan.require_supported("real")
+    run_dir = Path(args.resume or args.run_dir or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}")
+    res = launch(LaunchConfig(argv=cmd, workers=args.workers, run_dir=run_dir, fault_plan=plan,
+                              restart_failed=args.restart_failed, coordinator=args.coordinator or "",
+                              token_file=args.token_file or "", resume=bool(args.resume),
+                              checkpoint_every_steps=args.checkpoint_every, min_workers=args.min_workers))
+    write_metrics(run_dir, res.commits, append=bool(args.resume))
+    (run_dir / "launch.json").write_text(json.dumps({"ok": res.ok, "reason": res.reason, "wall_s": res.wall_s,
+                                                     "steps_committed": len(res.commits),
+                                                     "steps_retried": res.steps_retried, "faults": res.faults},
+                                                    indent=2))
+    if not res.ok:
+        print(f"phalanx launch: {res.reason}", file=sys.stderr)
+        return 1
+    print(f"phalanx launch: {len(res.commits)} steps committed, {res.steps_retried} retried, run folder {run_dir}")
+    return 0
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from phalanx.runtime.standalone import run_coordinator
+
+    return run_coordinator(args.bind, args.token_file, args.workers, Path(args.run_dir))
+
+
+def _token(args: argparse.Namespace) -> int:
+    from phalanx.core.auth import generate_token
+
+    print(generate_token().decode())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="phalanx", description="Fault-tolerant distributed PyTorch training.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("train", help="the main job: train the bundled model on local workers through a fault plan",
+                       description="Train the bundled char-level transformer on N local worker processes through "
+                                   "a fault plan (default: kill+restart, freeze, GIL hang), then run the fault-free "
+                                   "single-process reference over the same batches and compare.")
+    t.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
+    t.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    t.add_argument("--fault-plan", help="TOML fault plan (default: the bundled faults/plans/default.toml)")
+    t.add_argument("--no-faults", action="store_true", help="run fault-free")
+    t.add_argument("--out", help="run folder (default runs/train-TIMESTAMP)")
+    t.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    t.add_argument("--checkpoint-every", type=int, default=50, help="durable checkpoint every K steps (0: never)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    t.add_argument("--no-reference", action="store_true", help="skip the single-process reference comparison")
+    t.add_argument("--quiet", action="store_true", help="no live progress display")
+    t.set_defaults(fn=_train)
+
+    la = sub.add_parser("launch", help="run a training script on N supervised workers",
+                        description="Start an embedded coordinator (or use --coordinator) and N worker processes "
+                                    "running COMMAND, which uses phalanx.join().")
+    la.add_argument("--workers", type=int, default=2)
+    la.add_argument("--fault-plan")
+    la.add_argument("--restart-failed", action="store_true", help="restart a worker that exits non-zero")
+    la.add_argument("--coordinator", help="HOST:PORT of a `phalanx coordinator` (multi-machine)")
+    la.add_argument("--token-file", help="cluster token file (required with --coordinator)")
+    la.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest valid checkpoint")
+    la.add_argument("--run-dir", help="run folder (default runs/launch-TIMESTAMP)")
+    la.add_argument("--checkpoint-every", type=int, default=0)
+    la.add_argument("--min-workers", type=int, default=1)
+    la.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS")
+    la.set_defaults(fn=_launch)
+
+    c = sub.add_parser("coordinator", help="run a standalone coordinator for multi-machine jobs")
+    c.add_argument("--bind", required=True, help="HOST:PORT to listen on")
+    c.add_argument("--token-file", required=True)
+    c.add_argument("--workers", type=int, default=1, help="workers the first quorum waits for")
+    c.add_argument("--run-dir", default="runs/coordinator")
+    c.set_defaults(fn=_coordinator)
+
+    tk = sub.add_parser("token", help="print a fresh cluster token (save it to a file readable only by you)")
+    tk.set_defaults(fn=_token)
+    from phalanx.cli import extra
+
+    extra.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except PhalanxError as e:
+        print(f"phalanx: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("phalanx: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""ProcessGroup seam: the data plane, rebuilt for every quorum id.
+
+``TorchProcessGroup`` wraps torch.distributed's Gloo (CPU) or NCCL (CUDA) groups. A collective is
+awaited with a deadline; a group whose collective failed or passed its deadline is *abandoned*:
+never waited on again, kept alive in a bounded graveyard until its own timeout has surely fired so
+its destructor cannot block the training thread. The simulator supplies its own factory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import hmac
+import threading
+import time
+from collections import deque
+from typing import Any, Protocol
+
+from phalanx.core.errors import CollectiveError
+
+
+class ProcessGroup(Protocol):
+    quorum_id: int
+    rank: int
+    world_size: int
+
+    async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
+        """Sum ``tensor`` in place across the group; raises CollectiveError on failure or deadline."""
+
+    def abandon(self) -> None: ...
+
+
+class ProcessGroupFactory(Protocol):
+    async def create(self, quorum_id: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroup: ...
+
+
+class LocalProcessGroup:
+    """World size 1: nothing to exchange."""
+
+    def __init__(self, quorum_id: int) -> None:
+        self.quorum_id, self.rank, self.world_size = quorum_id, 0, 1
+
+    async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
+        return None
+
+    def abandon(self) -> None:
+        return None
+
+
+class TorchProcessGroup:
+    def __init__(self, pg: Any, quorum_id: int, rank: int, world_size: int, graveyard: "_Graveyard") -> None:
+        self._pg = pg
+        self.quorum_id, self.rank, self.world_size = quorum_id, rank, world_size
+        self._graveyard = graveyard
+        self._abandoned = False
+
+    async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
+        if self._abandoned:
+            raise CollectiveError(f"process group of quorum {self.quorum_id} was abandoned")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def on_done(fut: Any) -> None:
+            def settle() -> None:
+                if done.done():
+                    return
+                try:
+                    fut.value()
+                    done.set_result(None)
+                except Exception as e:  # translated at this one boundary
+                    done.set_exception(CollectiveError(f"all-reduce failed in quorum {self.quorum_id}: {_short(e)}"))
+            loop.call_soon_threadsafe(settle)
+
+        try:
+            work = self._pg.allreduce([tensor])
+            work.get_future().add_done_callback(on_done)
+        except RuntimeError as e:
+            self.abandon()
+            raise CollectiveError(f"all-reduce could not start in quorum {self.quorum_id}: {_short(e)}") from e
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        except asyncio.TimeoutError as e:
+            self.abandon()
+            raise CollectiveError(f"all-reduce in quorum {self.quorum_id} passed its {timeout_s:.1f} s deadline") from e
+        except CollectiveError:
+            self.abandon()
+            raise
+        except asyncio.CancelledError:
+            self.abandon()  # the step was aborted (quorum broken): never touch this group again
+            raise
+
+    def abandon(self) -> None:
+        if not self._abandoned:
+            self._abandoned = True
+            self._graveyard.bury(self._pg)
+            self._pg = None
+
+
+class _Graveyard:
+    """Holds abandoned groups until their Gloo timeout has passed, then drops them off-thread."""
+
+    def __init__(self, hold_s: float, max_groups: int = 64) -> None:
+        self._hold_s = hold_s
+        self._graves: deque[tuple[float, Any]] = deque(maxlen=max_groups)
+        self._lock = threading.Lock()
+
+    def bury(self, pg: Any) -> None:
+        with self._lock:
+            self._graves.append((time.monotonic() + self._hold_s, pg))
+        self.sweep()
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        expired = []
+        with self._lock:
+            while self._graves and self._graves[0][0] <= now:
+                expired.append(self._graves.popleft()[1])
+        if expired:
+            threading.Thread(target=expired.clear, name="phalanx-pg-reaper", daemon=True).start()
+
+
+class TorchProcessGroupFactory:
+    """Builds Gloo (or NCCL, when CUDA is present) groups from the coordinator's TCPStore."""
+
+    def __init__(self, store_address: str, token: bytes, backend: str = "auto", connect_timeout_s: float = 10.0) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._dist = dist
+        host, _, port = store_address.rpartition(":")
+        self._store = dist.TCPStore(host, int(port), is_master=False,
+                                    timeout=datetime.timedelta(seconds=connect_timeout_s))
+        # Keys are namespaced by a secret derived from the cluster token, so a party without the
+        # token cannot guess them to hijack rendezvous (the TCPStore itself is unauthenticated).
+        self._namespace = hmac.new(token, b"phalanx-store", hashlib.sha256).hexdigest()[:16]
+        self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
+        self._graveyard = _Graveyard(hold_s=2 * 60.0)
+
+    async def create(self, quorum_id: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroup:
+        if world_size == 1:
+            return LocalProcessGroup(quorum_id)
+        loop = asyncio.get_running_loop()
+        prefix = self._dist.PrefixStore(f"{self._namespace}/q{quorum_id}", self._store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        result: asyncio.Future[Any] = loop.create_future()
+
+        def build() -> None:  # the constructor blocks until every rank has connected
+            try:
+                if self.backend == "nccl":
+                    pg = self._dist.ProcessGroupNCCL(prefix, rank, world_size, self._nccl_options(timeout))
+                else:
+                    pg = self._dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+            except Exception as e:
+                loop.call_soon_threadsafe(_settle, result, None, e)
+                return
+            loop.call_soon_threadsafe(_settle, result, pg, None)
+
+        threading.Thread(target=build, name=f"phalanx-pg-q{quorum_id}", daemon=True).start()
+        try:
+            pg = await asyncio.wait_for(asyncio.shield(result), timeout_s)
+        except asyncio.TimeoutError as e:
+            raise CollectiveError(f"process group for quorum {quorum_id} did not form within {timeout_s:.1f} s") from e
+        except RuntimeError as e:
+            raise CollectiveError(f"process group for quorum {quorum_id} failed to form: {_short(e)}") from e
+        self._graveyard.sweep()
+        return TorchProcessGroup(pg, quorum_id, rank, world_size, self._graveyard)
+
+    def _nccl_options(self, timeout: datetime.timedelta) -> Any:
+        opts = self._dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return opts
+
+
+def _settle(fut: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if fut.done():
+        if value is not None:  # an abandoned build finished late: drop it off-thread
+            threading.Thread(target=lambda: None, daemon=True).start()
+        return
+    if error is not None:
+        fut.set_exception(RuntimeError(str(error)))
+    else:
+        fut.set_result(value)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:240]

@@ -1,0 +1,374 @@
+"""The coordinator: membership, failure detection, per-step quorum and commit decisions.
+
+Asyncio code behind the Host seam; the same class runs embedded in ``phalanx launch``, standalone
+in ``phalanx coordinator`` and, on simulated transport and clock, in the simulator. Decisions are
+made by the pure functions of :mod:`quorum` and :mod:`failure_detector`; this module does the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.core.errors import TransportError
+from phalanx.core.host import Connection, Host
+from phalanx.core.messages import (
+    AllreduceDone, CheckpointWritten, Goodbye, HealDone, Heartbeat, Hello, InjectFault, Progress, QuorumAssigned,
+    QuorumBroken, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
+)
+from phalanx.membership import failure_detector as fd
+from phalanx.membership.quorum import (
+    Action, MemberView, QuorumConfig, QuorumView, Report, Verdict, decide_commit, decide_quorum,
+)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    detector: fd.DetectorConfig = fd.DetectorConfig()
+    quorum: QuorumConfig = QuorumConfig()
+    collective_timeout_s: float = 5.0
+    checkpoint_every_steps: int = 0
+    tick_s: float = 0.02
+    run_dir: str = ""
+    run_id: str = "run"
+
+
+@dataclass
+class WorkerSession:
+    worker_id: str
+    incarnation: str
+    conn: Connection
+    pid: int
+    heal_address: str
+    joined_at_s: float
+    last_heartbeat_s: float
+    last_committed_step: int
+    has_state: bool
+    connected: bool = True
+    suspected: str = ""  # non-empty: why it is out of the quorum
+    waiting: bool = False
+    waiting_since_s: float = 0.0
+    phase: tuple[fd.Phase, float] = (fd.Phase.REQUESTED, 0.0)
+    done: bool = False
+    outbox: asyncio.Queue[Any] = field(default_factory=lambda: asyncio.Queue(maxsize=1024))
+
+    @property
+    def healthy(self) -> bool:
+        return self.connected and not self.suspected and not self.done
+
+
+@dataclass
+class CurrentQuorum:
+    quorum_id: int
+    step: int
+    members: tuple[str, ...]
+    formed_at_s: float
+    intact: bool = True
+    decided: bool = False
+    reports: dict[str, Report] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    step: int
+    quorum_id: int
+    members: tuple[str, ...]
+    loss: float
+    committed_at_s: float
+    step_s: float
+    covered_once: bool
+
+
+class Coordinator:
+    def __init__(self, host: Host, cfg: CoordinatorConfig, store_address: str,
+                 on_event: Callable[[dict[str, Any]], None] | None = None,
+                 resume: tuple[str, int] | None = None) -> None:
+        self.host, self.cfg, self.store_address = host, cfg, store_address
+        self._on_event = on_event
+        self.sessions: dict[str, WorkerSession] = {}
+        self.quorum: CurrentQuorum | None = None
+        self.cluster_step = resume[1] if resume else -1
+        self.checkpoint: tuple[str, int] = resume if resume else ("", -1)
+        self.max_id_seen = 0
+        self.commits: list[CommitRecord] = []
+        self.steps_retried = 0
+        self.stall_reason = ""
+        self.events: list[dict[str, Any]] = []
+        self._t0 = host.now()
+        self._last_commit_s = host.now()
+        self._stopped = False
+        self.all_done = asyncio.Event()
+        self.stalled = asyncio.Event()
+
+    # ---- lifecycle ----
+    async def start(self, bind: str) -> str:
+        self._listener = await self.host.transport.listen(bind, self._serve)
+        self.host.spawn(self._ticker(), "coordinator-ticker")
+        self.emit("coordinator_started", address=self._listener.address, cluster_step=self.cluster_step)
+        return self._listener.address
+
+    async def stop(self, reason: str = "job finished") -> None:
+        self._stopped = True
+        for s in self._sorted_sessions():
+            if s.connected:
+                try:
+                    await s.conn.send(Shutdown(reason=reason))
+                except TransportError:
+                    pass
+        self._listener.close()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {"t": round(self.host.now() - self._t0, 6), "node": "coordinator", "event": event, **fields}
+        self.events.append(record)
+        self.host.log(event, **fields)
+        if self._on_event:
+            self._on_event(record)
+
+    def _sorted_sessions(self) -> list[WorkerSession]:
+        return [self.sessions[k] for k in sorted(self.sessions)]
+
+    # ---- connections ----
+    async def _serve(self, conn: Connection) -> None:
+        try:
+            first, _ = await conn.recv()
+        except TransportError:
+            return
+        if not isinstance(first, Hello):
+            await _refuse(conn, f"expected Hello, got {type(first).__name__}")
+            return
+        session = self._admit(first, conn)
+        self.host.spawn(self._sender(session), f"send-{session.worker_id}")
+        await conn.send(Welcome(run_id=self.cfg.run_id, store_address=self.store_address,
+                                heartbeat_interval_s=self.cfg.detector.heartbeat_interval_s,
+                                collective_timeout_s=self.cfg.collective_timeout_s,
+                                checkpoint_every_steps=self.cfg.checkpoint_every_steps,
+                                run_dir=self.cfg.run_dir))
+        try:
+            while not conn.is_closed:
+                message, _ = await conn.recv()
+                self._handle(session, message)
+        except TransportError as e:
+            if session is self.sessions.get(session.worker_id) and not session.done:
+                reason = getattr(conn, "close_reason", "") or str(e)
+                self.emit("connection_lost", worker=session.worker_id, reason=reason)
+        finally:
+            if session is self.sessions.get(session.worker_id):
+                session.connected = False
+                if not session.done:
+                    self._suspect(session, "connection lost")
+            self._evaluate()
+
+    def _admit(self, hello: Hello, conn: Connection) -> WorkerSession:
+        now = self.host.now()
+        old = self.sessions.get(hello.worker_id)
+        if old is not None and old.connected:
+            old.conn.close("replaced by a new incarnation")
+            if old.healthy:
+                self._suspect(old, "replaced by a new incarnation")
+        self.max_id_seen = max(self.max_id_seen, hello.max_quorum_id_seen)
+        if hello.has_state:
+            self.cluster_step = max(self.cluster_step, hello.last_committed_step)
+        session = WorkerSession(hello.worker_id, hello.incarnation, conn, hello.pid, hello.heal_address,
+                                now, now, hello.last_committed_step, hello.has_state)
+        self.sessions[hello.worker_id] = session
+        self.emit("worker_joined", worker=hello.worker_id, pid=hello.pid, incarnation=hello.incarnation,
+                  last_committed_step=hello.last_committed_step)
+        return session
+
+    def _handle(self, s: WorkerSession, m: Any) -> None:
+        now = self.host.now()
+        if isinstance(m, Heartbeat):
+            s.last_heartbeat_s = now
+            if s.suspected.startswith("no heartbeat"):
+                self.emit("worker_alive_again", worker=s.worker_id, was=s.suspected)
+                s.suspected = ""
+            return
+        if isinstance(m, QuorumRequest):
+            if s.suspected.startswith("no step progress"):
+                self.emit("worker_alive_again", worker=s.worker_id, was=s.suspected)
+                s.suspected = ""
+            s.waiting, s.waiting_since_s = True, now
+            s.last_committed_step, s.has_state = m.last_committed_step, m.has_state
+            s.phase = (fd.Phase.REQUESTED, now)
+        elif isinstance(m, Progress):
+            q = self.quorum
+            if q and m.quorum_id == q.quorum_id and s.worker_id in q.members:
+                s.phase = (fd.Phase.ALLREDUCE, now)
+        elif isinstance(m, AllreduceDone):
+            self._on_report(s, m)
+        elif isinstance(m, HealDone):
+            s.has_state, s.last_committed_step = True, m.step - 1
+            self.emit("worker_healed", worker=s.worker_id, source=m.source, step=m.step, quorum_id=m.quorum_id)
+        elif isinstance(m, CheckpointWritten):
+            self.note_checkpoint(m.path, m.step)
+            self.emit("checkpoint_written", worker=s.worker_id, step=m.step, path=m.path)
+        elif isinstance(m, Goodbye):
+            s.done = True
+            self.emit("worker_finished", worker=s.worker_id, completed=m.completed, reason=m.reason)
+            if all(x.done for x in self.sessions.values()):
+                self.all_done.set()
+        self._evaluate()
+
+    def _on_report(self, s: WorkerSession, m: AllreduceDone) -> None:
+        q = self.quorum
+        if q is None or m.quorum_id != q.quorum_id or m.step != q.step or q.decided or s.worker_id not in q.members:
+            # Fencing: an outcome from an older epoch never counts; tell the sender to roll back.
+            self._send(s, StepDecision(step=m.step, quorum_id=m.quorum_id, commit=False,
+                                                             reason="stale quorum id: step fenced"))
+            return
+        q.reports[s.worker_id] = Report(m.ok, m.samples_covered_once, m.error)
+        q.losses[s.worker_id] = m.loss
+        s.phase = (fd.Phase.REPORTED, self.host.now())
+
+    def _send(self, s: WorkerSession, message: Any) -> None:
+        """Queue a message for one worker; one sender task per connection keeps them in order."""
+        if s.connected and not s.outbox.full():
+            s.outbox.put_nowait(message)
+
+    async def _sender(self, s: WorkerSession) -> None:
+        while s.connected:
+            message = await s.outbox.get()
+            try:
+                await s.conn.send(message)
+            except TransportError:
+                return
+
+    # ---- decisions ----
+    async def _ticker(self) -> None:
+        while not self._stopped:
+            await self.host.sleep(self.cfg.tick_s)
+            self._evaluate()
+
+    def _evaluate(self) -> None:
+        now = self.host.now()
+        self._detect(now)
+        q = self.quorum
+        if q is not None and not q.decided:
+            live = [w for w in q.members if self.sessions[w].healthy]
+            verdict, why = decide_commit(q.members, live, q.reports)
+            if verdict is Verdict.COMMIT:
+                self._commit(q, now, why)
+            elif verdict is Verdict.ABORT:
+                self._abort(q, why)
+        if self.quorum is None or self.quorum.decided:
+            self._maybe_form(now)
+
+    def _detect(self, now: float) -> None:
+        alive = {w: fd.Liveness(s.connected, s.last_heartbeat_s) for w, s in self.sessions.items() if s.healthy}
+        for sus in fd.heartbeat_suspects(now, alive, self.cfg.detector):
+            self._suspect(self.sessions[sus.worker_id], sus.reason)
+        q = self.quorum
+        if q is not None and not q.decided:
+            phases = {w: self.sessions[w].phase for w in q.members if self.sessions[w].healthy}
+            for sus in fd.progress_suspects(now, phases, self.cfg.detector):
+                self._suspect(self.sessions[sus.worker_id], sus.reason)
+
+    def _suspect(self, s: WorkerSession, reason: str) -> None:
+        if s.suspected or s.done:
+            return
+        s.suspected, s.waiting = reason, False
+        self.emit("worker_suspected", worker=s.worker_id, reason=reason)
+        q = self.quorum
+        if q is not None and s.worker_id in q.members:
+            q.intact = False
+            if not q.decided:
+                live = [w for w in q.members if self.sessions[w].healthy]
+                verdict, why = decide_commit(q.members, live, q.reports)
+                if verdict is Verdict.COMMIT:
+                    self._commit(q, self.host.now(), why)
+                else:
+                    self._abort(q, f"{s.worker_id} lost ({reason})")
+
+    def _commit(self, q: CurrentQuorum, now: float, why: str) -> None:
+        assert not q.decided and q.step == self.cluster_step + 1, "a step commits once, in order"
+        q.decided = True
+        loss = next(iter(q.losses[w] for w in sorted(q.losses)), 0.0)
+        covered = bool(q.reports) and all(r.covered_once for r in q.reports.values())
+        rec = CommitRecord(q.step, q.quorum_id, q.members, loss, round(now - self._t0, 6),
+                           round(now - self._last_commit_s, 6), covered)
+        self.commits.append(rec)
+        self.cluster_step = q.step
+        self._last_commit_s = now
+        for w in sorted(q.reports):
+            s = self.sessions[w]
+            s.last_committed_step, s.has_state = q.step, True
+            self._send(s, StepDecision(step=q.step, quorum_id=q.quorum_id, commit=True,
+                                                             reason=why, loss=loss))
+        self.emit("step_committed", step=q.step, quorum_id=q.quorum_id, members=list(q.members), loss=loss,
+                  step_s=rec.step_s)
+
+    def _abort(self, q: CurrentQuorum, why: str) -> None:
+        q.decided, q.intact = True, False
+        self.steps_retried += 1
+        for w in q.members:
+            s = self.sessions[w]
+            if s.connected:
+                self._send(s, QuorumBroken(quorum_id=q.quorum_id, reason=why))
+                self._send(s, StepDecision(step=q.step, quorum_id=q.quorum_id, commit=False,
+                                                                 reason=why))
+        self.emit("step_aborted", step=q.step, quorum_id=q.quorum_id, reason=why)
+
+    def _maybe_form(self, now: float) -> None:
+        views = [MemberView(s.worker_id, s.healthy, s.waiting, s.waiting_since_s, s.last_committed_step,
+                            s.has_state, s.joined_at_s) for s in self._sorted_sessions()]
+        q = self.quorum
+        view = QuorumView(self.cluster_step, q.quorum_id if q else 0, q.members if q else (),
+                          bool(q and q.intact), self.checkpoint[1], self.checkpoint[0], self.max_id_seen)
+        d = decide_quorum(now, views, view, self.cfg.quorum)
+        if d.action is Action.STALL:
+            if self.stall_reason != d.reason:
+                self.stall_reason = d.reason
+                self.emit("quorum_stalled", reason=d.reason)
+                self.stalled.set()
+            return
+        if d.action is not Action.FORM:
+            return
+        self.stall_reason = ""
+        assert q is None or d.quorum_id >= q.quorum_id, "quorum ids never decrease"
+        self.quorum = CurrentQuorum(d.quorum_id, d.step, d.members, now)
+        self.max_id_seen = max(self.max_id_seen, d.quorum_id)
+        writer = self._checkpoint_writer(d)
+        for rank, w in enumerate(d.members):
+            s = self.sessions[w]
+            s.waiting, s.phase = False, (fd.Phase.ASSIGNED, now)
+            src = d.heal_from.get(w, "")
+            msg = QuorumAssigned(step=d.step, quorum_id=d.quorum_id, members=list(d.members), rank=rank,
+                                 heal_from=src, heal_address=self.sessions[src].heal_address if src else "",
+                                 heal_targets=sorted(t for t, f in d.heal_from.items() if f == w),
+                                 restore_checkpoint=d.restore_checkpoint, write_checkpoint=(w == writer))
+            self._send(s, msg)
+        if not (q and q.quorum_id == d.quorum_id):
+            self.emit("quorum_formed", quorum_id=d.quorum_id, step=d.step, members=list(d.members), reason=d.reason)
+
+    def _checkpoint_writer(self, d: Any) -> str:
+        k = self.cfg.checkpoint_every_steps
+        if k <= 0 or (d.step + 1) % k != 0:
+            return ""
+        return next((w for w in d.members if w not in d.heal_from), d.members[0])
+
+    # ---- used by launchers and the simulator ----
+    async def inject(self, worker_id: str, fault: InjectFault) -> bool:
+        s = self.sessions.get(worker_id)
+        if s is None or not s.connected:
+            return False
+        self._send(s, fault)
+        return True
+
+    def note_checkpoint(self, path: str, step: int) -> None:
+        if step > self.checkpoint[1]:
+            self.checkpoint = (path, step)
+
+
+async def _send_quiet(conn: Connection, message: Any) -> None:
+    try:
+        await conn.send(message)
+    except TransportError:
+        pass  # the connection's loss is noticed by its reader
+
+
+async def _refuse(conn: Connection, reason: str) -> None:
+    await _send_quiet(conn, Refused(reason=reason))
+    conn.close(reason)

@@ -1,0 +1,73 @@
+"""Failure detection: heartbeat timeouts plus a step-progress watch. Pure functions of time.
+
+Heartbeats come from a dedicated thread in each worker, so a worker that is SIGKILLed (connection
+drops), SIGSTOPped or holding the GIL (heartbeats stop) is caught by ``heartbeat_timeout_s``. A
+worker that still heartbeats but makes no step progress (hung in user code or in a collective) is
+caught by the progress watch: when another member of the same quorum has moved ahead to a later
+phase and this one has not followed within ``progress_timeout_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import IntEnum
+
+
+class Phase(IntEnum):
+    """Where a member is in the current step. Ordered: a larger phase is further along."""
+
+    ASSIGNED = 0  # got its quorum assignment, healing / computing
+    ALLREDUCE = 1  # entered the gradient all-reduce
+    REPORTED = 2  # reported the all-reduce outcome
+    REQUESTED = 3  # asked for the next quorum
+
+
+@dataclass(frozen=True)
+class DetectorConfig:
+    heartbeat_interval_s: float = 0.1
+    heartbeat_timeout_s: float = 0.6
+    progress_timeout_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class Liveness:
+    connected: bool
+    last_heartbeat_s: float
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    worker_id: str
+    reason: str
+
+
+def heartbeat_suspects(now: float, workers: Mapping[str, Liveness], cfg: DetectorConfig) -> list[Suspicion]:
+    """Workers whose connection dropped or whose heartbeats stopped."""
+    out = []
+    for wid in sorted(workers):
+        w = workers[wid]
+        if not w.connected:
+            out.append(Suspicion(wid, "connection lost"))
+        elif now - w.last_heartbeat_s > cfg.heartbeat_timeout_s:
+            out.append(Suspicion(wid, f"no heartbeat for {now - w.last_heartbeat_s:.2f} s"))
+    return out
+
+
+def progress_suspects(now: float, phases: Mapping[str, tuple[Phase, float]], cfg: DetectorConfig) -> list[Suspicion]:
+    """Members left behind: another member reached a later phase over progress_timeout_s ago.
+
+    ``phases`` maps each member of the current quorum to (its phase, when it entered it).
+    """
+    if len(phases) < 2:
+        return []
+    lead = max(p for p, _ in phases.values())
+    # When did the first member reach the leading phase? That is when the others fell behind.
+    lead_since = min(t for p, t in phases.values() if p == lead)
+    if now - lead_since <= cfg.progress_timeout_s:
+        return []
+    return [
+        Suspicion(wid, f"no step progress for {now - lead_since:.2f} s while peers reached {lead.name.lower()}")
+        for wid in sorted(phases)
+        if phases[wid][0] < lead
+    ]

@@ -1,0 +1,145 @@
+"""Quorum and commit decisions: pure functions of (now, state, config) returning a reason.
+
+The coordinator's driver feeds these the current view and carries out what they decide. Quorum ids
+strictly increase across distinct quorums; consecutive steps with the same healthy members keep
+the same id (so the data-plane group is not rebuilt needlessly). The id is the fencing token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class MemberView:
+    worker_id: str
+    healthy: bool
+    waiting: bool  # has asked for a quorum for its next step
+    waiting_since_s: float
+    last_committed_step: int
+    has_state: bool
+    joined_at_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class QuorumView:
+    cluster_step: int  # last step committed anywhere in the cluster (-1: none)
+    current_id: int  # id of the last quorum formed (0: none)
+    current_members: tuple[str, ...]
+    current_intact: bool  # no member of it lost and its last step did not abort
+    checkpoint_step: int  # step of the newest durable checkpoint (-1: none)
+    checkpoint_path: str = ""
+    max_id_seen: int = 0  # highest id any worker reported (coordinator restarts stay above it)
+
+
+@dataclass(frozen=True)
+class QuorumConfig:
+    min_workers: int = 1
+    expected_workers: int = 1  # the first quorum waits for this many, up to initial_wait_s
+    initial_wait_s: float = 60.0
+    join_timeout_s: float = 0.5  # how long a ready quorum waits for a connected worker not yet asking
+
+
+class Action(Enum):
+    WAIT = "wait"
+    FORM = "form"
+    STALL = "stall"  # cannot make progress without outside help (e.g. all state lost, no checkpoint)
+
+
+@dataclass(frozen=True)
+class QuorumDecision:
+    action: Action
+    reason: str
+    quorum_id: int = 0
+    step: int = -1
+    members: tuple[str, ...] = ()
+    heal_from: dict[str, str] = field(default_factory=dict)  # behind member -> up-to-date source
+    restore_checkpoint: str = ""
+
+
+def decide_quorum(now: float, members: Sequence[MemberView], view: QuorumView, cfg: QuorumConfig) -> QuorumDecision:
+    healthy = sorted((m for m in members if m.healthy), key=lambda m: m.worker_id)
+    waiting = [m for m in healthy if m.waiting]
+    if not waiting:
+        return QuorumDecision(Action.WAIT, "no worker is asking for a quorum")
+    first_ask = min(m.waiting_since_s for m in waiting)
+    if view.current_id == 0 and len(waiting) < cfg.expected_workers and now - first_ask < cfg.initial_wait_s:
+        return QuorumDecision(Action.WAIT, f"first quorum: {len(waiting)} of {cfg.expected_workers} expected workers ready")
+    not_asking = [m for m in healthy if not m.waiting]
+    if not_asking and now - first_ask < cfg.join_timeout_s:
+        names = ", ".join(m.worker_id for m in not_asking)
+        return QuorumDecision(Action.WAIT, f"waiting up to {cfg.join_timeout_s:.1f} s for {names}")
+    if len(waiting) < cfg.min_workers:
+        return QuorumDecision(Action.WAIT, f"{len(waiting)} workers ready, {cfg.min_workers} required")
+    return _form(waiting, view)
+
+
+def _form(waiting: list[MemberView], view: QuorumView) -> QuorumDecision:
+    step = view.cluster_step + 1
+    ids = tuple(m.worker_id for m in waiting)
+    current = [m for m in waiting if m.has_state and m.last_committed_step == view.cluster_step]
+    restore = ""
+    if view.cluster_step == -1 and not current:
+        # Fresh start: the first member's initial state is the truth everyone copies.
+        current = [waiting[0]]
+    if not current:
+        if view.checkpoint_step == view.cluster_step and view.checkpoint_path:
+            restore = view.checkpoint_path
+        else:
+            return QuorumDecision(
+                Action.STALL,
+                f"no live worker holds step {view.cluster_step} and no checkpoint of it exists; "
+                "restart the job with --resume RUN_DIR",
+            )
+    sources = [m.worker_id for m in current]
+    heal_from = {}
+    if not restore:
+        behind = [m.worker_id for m in waiting if m.worker_id not in sources]
+        heal_from = {wid: sources[i % len(sources)] for i, wid in enumerate(behind)}
+    reuse = view.current_intact and ids == view.current_members and not heal_from and not restore
+    qid = view.current_id if reuse else max(view.current_id, view.max_id_seen) + 1
+    assert qid >= view.current_id, "quorum ids never go back"
+    why = "same members" if reuse else f"members {list(ids)}"
+    if heal_from:
+        why += f"; healing {sorted(heal_from)}"
+    if restore:
+        why += f"; restoring checkpoint of step {view.checkpoint_step}"
+    return QuorumDecision(Action.FORM, why, qid, step, ids, heal_from, restore)
+
+
+class Verdict(Enum):
+    WAIT = "wait"
+    COMMIT = "commit"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class Report:
+    ok: bool
+    covered_once: bool
+    error: str = ""
+
+
+def decide_commit(members: Sequence[str], live: Sequence[str], reports: dict[str, Report]) -> tuple[Verdict, str]:
+    """Commit a step when every live member reports a successful all-reduce.
+
+    A successful all-reduce on any member proves every member contributed its gradients, so a
+    member lost *after* the collective does not invalidate the step. Any reported failure aborts it.
+    """
+    for wid in sorted(reports):
+        r = reports[wid]
+        if not r.ok:
+            return Verdict.ABORT, f"{wid} reported: {r.error or 'all-reduce failed'}"
+        if not r.covered_once:
+            return Verdict.ABORT, f"{wid}: the global batch was not covered exactly once"
+    live_members = [w for w in members if w in live]
+    missing = [w for w in live_members if w not in reports]
+    if missing:
+        if not live_members:
+            return Verdict.ABORT, "every member was lost"
+        return Verdict.WAIT, f"waiting for {', '.join(missing)}"
+    if not reports:
+        return Verdict.ABORT, "every member was lost before reporting"
+    return Verdict.COMMIT, f"{len(reports)} of {len(members)} members reported success"

@@ -1,0 +1,197 @@
+"""``phalanx launch``: an embedded (or remote) coordinator plus N supervised worker processes.
+
+A local run is the multi-machine path with the coordinator on loopback: the same Coordinator,
+TcpTransport and worker code. The launcher also runs the fault plan and writes the run folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from phalanx.core.auth import generate_token, read_token_file, write_token_file
+from phalanx.core.errors import JobFailed
+from phalanx.faults.plan import EMPTY_PLAN, FaultPlan
+from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
+from phalanx.membership.failure_detector import DetectorConfig
+from phalanx.membership.quorum import QuorumConfig
+from phalanx.runtime.fault_injector import FaultInjector
+from phalanx.runtime.progress import Progress
+from phalanx.runtime.supervisor import Supervisor
+from phalanx.transport.real_host import RealHost
+from phalanx.transport.tcp import TcpTransport
+
+
+@dataclass
+class LaunchConfig:
+    argv: list[str]
+    workers: int
+    run_dir: Path
+    fault_plan: FaultPlan = EMPTY_PLAN
+    restart_failed: bool = False
+    coordinator: str = ""  # HOST:PORT of a remote coordinator; "" = embedded on loopback
+    token_file: str = ""
+    resume: bool = False
+    total_steps: int | None = None  # for the progress bar only
+    checkpoint_every_steps: int = 0
+    data_seed: int = 0
+    min_workers: int = 1
+    detector: DetectorConfig = DetectorConfig()
+    collective_timeout_s: float = 5.0
+    max_wall_s: float = 1800.0
+    stall_timeout_s: float = 60.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    show_progress: bool = True
+
+
+@dataclass
+class LaunchResult:
+    ok: bool
+    reason: str
+    wall_s: float
+    commits: list[Any]
+    steps_retried: int
+    faults: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    transport: dict[str, Any]
+
+
+def launch(cfg: LaunchConfig) -> LaunchResult:
+    return asyncio.run(_launch(cfg))
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+async def _launch(cfg: LaunchConfig) -> LaunchResult:
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    token_path = Path(cfg.token_file) if cfg.token_file else cfg.run_dir / "token"
+    if cfg.token_file:
+        read_token_file(token_path)  # validate early, with a clear message
+    else:
+        write_token_file(token_path, generate_token())  # a fresh token for every local run
+    token = read_token_file(token_path)
+    events: list[dict[str, Any]] = []
+    events_file = open(cfg.run_dir / "events.jsonl", "a", buffering=1)
+    injector: FaultInjector | None = None
+    progress = Progress(cfg.workers, cfg.total_steps, enabled=cfg.show_progress)
+
+    def on_event(ev: dict[str, Any]) -> None:
+        events.append(ev)
+        events_file.write(json.dumps(ev) + "\n")
+        if injector is not None:
+            injector.on_event(ev)
+        progress.on_event(ev)
+
+    coord: Coordinator | None = None
+    transport = TcpTransport(token, name="coordinator", on_reject=lambda peer, why: on_event(
+        {"t": time.monotonic() - t0, "mono": time.monotonic(), "node": "coordinator", "event": "connection_refused",
+         "peer": peer, "reason": why}))
+    store = None
+    if cfg.coordinator:
+        address = cfg.coordinator
+    else:
+        store = _store()
+        resume = _resume_point(cfg) if cfg.resume else None
+        ccfg = CoordinatorConfig(detector=cfg.detector,
+                                 quorum=QuorumConfig(min_workers=cfg.min_workers, expected_workers=cfg.workers),
+                                 collective_timeout_s=cfg.collective_timeout_s,
+                                 checkpoint_every_steps=cfg.checkpoint_every_steps, run_dir=str(cfg.run_dir),
+                                 run_id=cfg.run_dir.name)
+        coord = Coordinator(RealHost("coordinator", transport), ccfg, f"127.0.0.1:{store.port}", on_event, resume)
+        address = await coord.start("127.0.0.1:0")
+    env = {**os.environ, **cfg.extra_env, "PHALANX_COORDINATOR": address, "PHALANX_TOKEN_FILE": str(token_path),
+           "PHALANX_RUN_DIR": str(cfg.run_dir), "PHALANX_DATA_SEED": str(cfg.data_seed),
+           "PYTHONUNBUFFERED": "1"}
+    sup = Supervisor(cfg.argv, env, cfg.run_dir, cfg.workers, cfg.restart_failed)
+    if coord is not None:
+        injector = FaultInjector(cfg.fault_plan, coord, sup)
+    sup.start_all()
+    ok, reason = False, ""
+    inj_task = asyncio.ensure_future(injector.run()) if injector else None
+    progress.start()
+    try:
+        ok, reason = await _supervise(cfg, sup, coord, injector, progress, t0, on_event)
+    finally:
+        progress.stop()
+        if inj_task:
+            inj_task.cancel()
+        sup.stop_all()
+        if coord is not None:
+            await coord.stop(reason or "job finished")
+        events_file.close()
+    wall_s = time.monotonic() - t0
+    return LaunchResult(ok, reason, wall_s, coord.commits if coord else [], coord.steps_retried if coord else 0,
+                        [r.to_json() for r in injector.records] if injector else [], events,
+                        {"bytes_sent": transport.stats.bytes_sent, "frames_sent": transport.stats.frames_sent,
+                         "bytes_received": transport.stats.bytes_received,
+                         "frames_received": transport.stats.frames_received,
+                         "rejected": transport.stats.rejected})
+
+
+async def _supervise(cfg: LaunchConfig, sup: Supervisor, coord: Coordinator | None, injector: FaultInjector | None,
+                     progress: Progress, t0: float, on_event: Any) -> tuple[bool, str]:
+    stalled_since: float | None = None
+    while True:
+        await asyncio.sleep(0.05)
+        now = time.monotonic()
+        for w, code in sup.poll():
+            ev = {"t": now - t0, "mono": now, "node": "launcher", "event": "worker_exited", "worker": w.worker_id,
+                  "exit_code": code}
+            on_event(ev)
+            if code == 0:
+                continue
+            fault_restart = injector is not None and w.index in injector.restart_on_kill
+            if fault_restart:
+                injector.restart_on_kill.discard(w.index)  # type: ignore[union-attr]
+            if sup.may_restart(w, fault_restart):
+                sup.restart(w)
+                on_event({"t": now - t0, "mono": now, "node": "launcher", "event": "worker_restarted",
+                          "worker": w.worker_id, "restarts": w.restarts})
+        if sup.all_finished():
+            return True, "all workers finished"
+        if not sup.any_running():
+            codes = {w.worker_id: w.exit_codes[-1] for w in sup.workers if w.exit_codes}
+            return False, f"every worker has exited without finishing (exit codes {codes}); see {cfg.run_dir}/workers/*.log"
+        if coord is not None and coord.stall_reason:
+            stalled_since = stalled_since or now
+            if now - stalled_since > cfg.stall_timeout_s:
+                return False, f"no progress for {cfg.stall_timeout_s:.0f} s: {coord.stall_reason}"
+        else:
+            stalled_since = None
+        if now - t0 > cfg.max_wall_s:
+            return False, f"the job passed its wall-clock limit of {cfg.max_wall_s:.0f} s"
+        if coord is not None:
+            progress.update(coord)
+
+
+def _resume_point(cfg: LaunchConfig) -> tuple[str, int]:
+    from phalanx.checkpoint.durable import latest_checkpoint
+
+    found = latest_checkpoint(cfg.run_dir)
+    if found is None:
+        raise JobFailed(f"--resume {cfg.run_dir}: no valid checkpoint found under {cfg.run_dir}/checkpoints")
+    path, step = found
+    return str(path), step
+
+
+def write_metrics(run_dir: Path, commits: list[Any], append: bool = False) -> None:
+    with open(run_dir / "metrics.jsonl", "a" if append else "w") as f:
+        for c in commits:
+            f.write(json.dumps({"step": c.step, "quorum_id": c.quorum_id, "members": list(c.members),
+                                "loss": c.loss, "step_s": c.step_s, "committed_at_s": c.committed_at_s,
+                                "samples_covered_once": c.covered_once}) + "\n")
+
+
+def python_argv(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]

@@ -1,0 +1,35 @@
+"""``phalanx coordinator``: the coordinator on its own, for multi-machine jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from phalanx.core.auth import read_token_file
+from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
+from phalanx.membership.quorum import QuorumConfig
+from phalanx.transport.real_host import RealHost
+from phalanx.transport.tcp import TcpTransport, split_address
+
+
+def run_coordinator(bind: str, token_file: str, workers: int, run_dir: Path) -> int:
+    token = read_token_file(token_file)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return asyncio.run(_serve(bind, token, workers, run_dir))
+
+
+async def _serve(bind: str, token: bytes, workers: int, run_dir: Path) -> int:
+    import torch.distributed as dist
+
+    host, _ = split_address(bind)
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    events = open(run_dir / "events.jsonl", "a", buffering=1)
+    cfg = CoordinatorConfig(quorum=QuorumConfig(expected_workers=workers), run_dir=str(run_dir))
+    coord = Coordinator(RealHost("coordinator", TcpTransport(token, name="coordinator")), cfg,
+                        f"{host}:{store.port}", lambda ev: (events.write(json.dumps(ev) + "\n"), print(json.dumps(ev))))
+    address = await coord.start(bind)
+    print(f"phalanx coordinator listening on {address}", flush=True)
+    await coord.all_done.wait()
+    await coord.stop("all workers finished")
+    return 0

@@ -1,0 +1,107 @@
+"""Worker processes: start, watch, signal and restart them (real processes, real signals)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class WorkerProcess:
+    index: int
+    worker_id: str
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+    finished: bool = False  # exited 0
+    frozen: bool = False
+    reported: bool = False  # its current process's exit was already handled
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else -1
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Supervisor:
+    def __init__(self, argv: list[str], env: dict[str, str], run_dir: Path, count: int,
+                 restart_failed: bool, max_restarts: int = 5, id_prefix: str = "w") -> None:
+        self.argv, self.env, self.run_dir = argv, env, run_dir
+        self.restart_failed, self.max_restarts = restart_failed, max_restarts
+        self.workers = [WorkerProcess(i, f"{id_prefix}{i}") for i in range(count)]
+        (run_dir / "workers").mkdir(parents=True, exist_ok=True)
+
+    def start_all(self) -> None:
+        for w in self.workers:
+            self.start(w)
+
+    def start(self, w: WorkerProcess) -> None:
+        env = {**self.env, "PHALANX_WORKER_ID": w.worker_id, "PHALANX_WORKER_INDEX": str(w.index),
+               "OMP_NUM_THREADS": self.env.get("OMP_NUM_THREADS", "1")}
+        log = open(self.run_dir / "workers" / f"{w.worker_id}.log", "ab")
+        w.proc = subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # its own group: our Ctrl-C is ours to forward
+        log.close()
+        w.frozen, w.reported = False, False
+
+    def poll(self) -> list[tuple[WorkerProcess, int]]:
+        """Return workers that exited since the last poll, with their exit codes."""
+        exited = []
+        for w in self.workers:
+            if w.proc is not None and not w.reported:
+                code = w.proc.poll()
+                if code is not None:
+                    w.reported = True
+                    w.exit_codes.append(code)
+                    w.finished = code == 0
+                    exited.append((w, code))
+        return exited
+
+    def may_restart(self, w: WorkerProcess, fault_restart: bool) -> bool:
+        return (self.restart_failed or fault_restart) and w.restarts < self.max_restarts
+
+    def restart(self, w: WorkerProcess) -> None:
+        w.restarts += 1
+        self.start(w)
+
+    def kill(self, w: WorkerProcess) -> None:
+        if w.alive:
+            os.kill(w.pid, signal.SIGKILL)
+
+    def freeze(self, w: WorkerProcess) -> None:
+        if w.alive:
+            os.kill(w.pid, signal.SIGSTOP)
+            w.frozen = True
+
+    def thaw(self, w: WorkerProcess) -> None:
+        if w.alive:
+            os.kill(w.pid, signal.SIGCONT)
+        w.frozen = False
+
+    def stop_all(self, grace_s: float = 3.0) -> None:
+        for w in self.workers:
+            if w.alive:
+                if w.frozen:
+                    self.thaw(w)
+                w.proc.terminate()  # type: ignore[union-attr]
+        deadline = time.monotonic() + grace_s
+        for w in self.workers:
+            if w.proc is not None:
+                try:
+                    w.proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
+                    w.proc.wait()
+
+    def all_finished(self) -> bool:
+        return all(w.finished for w in self.workers)
+
+    def any_running(self) -> bool:
+        return any(w.alive for w in self.workers)

@@ -1,0 +1,124 @@
+"""``phalanx train``: the main job. The bundled model on N local workers through a fault plan,
+then the fault-free single-process reference over the same batches, compared and summarised."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phalanx.faults.plan import FaultPlan
+from phalanx.runtime.launcher import LaunchConfig, LaunchResult, launch, python_argv, write_metrics
+from phalanx.train import sharding
+
+STRICT_TOLERANCE = 1e-5
+
+
+@dataclass
+class TrainOptions:
+    workers: int = 4
+    steps: int = 200
+    seed: int = 0
+    run_dir: Path = Path("runs/train")
+    fault_plan: FaultPlan | None = None
+    checkpoint_every_steps: int = 50
+    resume: bool = False
+    reference: bool = True
+    show_progress: bool = True
+    global_batch_size: int = 32
+
+
+def run_train(opts: TrainOptions) -> dict[str, Any]:
+    from phalanx.faults.plan import EMPTY_PLAN
+
+    t0 = time.monotonic()
+    plan = opts.fault_plan or EMPTY_PLAN
+    plan.validate_workers(opts.workers)
+    plan.require_supported("real")
+    argv = python_argv("phalanx.workload.charlm_train", "--steps", str(opts.steps), "--seed", str(opts.seed),
+                       "--global-batch-size", str(opts.global_batch_size))
+    res = launch(LaunchConfig(argv=argv, workers=opts.workers, run_dir=opts.run_dir, fault_plan=plan,
+                              restart_failed=True, resume=opts.resume, total_steps=opts.steps,
+                              checkpoint_every_steps=opts.checkpoint_every_steps, data_seed=opts.seed,
+                              show_progress=opts.show_progress))
+    write_metrics(opts.run_dir, res.commits, append=opts.resume)
+    summary = summarise(opts, res)
+    if opts.reference and res.ok:
+        summary.update(compare_with_reference(opts))
+    summary["wall_s"] = round(time.monotonic() - t0, 3)
+    summary["ok"] = bool(res.ok and (not opts.reference or summary.get("reference_max_abs_diff", 1.0) <= STRICT_TOLERANCE)
+                         and summary["samples_exactly_once"])
+    (opts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def summarise(opts: TrainOptions, res: LaunchResult) -> dict[str, Any]:
+    commits = _all_commits(opts.run_dir) if opts.resume else [
+        {"step": c.step, "samples_covered_once": c.covered_once, "loss": c.loss} for c in res.commits]
+    return {
+        "ok": res.ok,
+        "reason": res.reason,
+        "workers": opts.workers,
+        "steps": opts.steps,
+        "steps_committed": len(res.commits),
+        "steps_retried": res.steps_retried,
+        "faults": res.faults,
+        "samples_exactly_once": samples_exactly_once(commits, opts),
+        "final_loss": res.commits[-1].loss if res.commits else None,
+        "launch_wall_s": round(res.wall_s, 3),
+        "control_plane": res.transport,
+        "false_suspicions": false_suspicions(res),
+    }
+
+
+def _all_commits(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def samples_exactly_once(commits: list[dict[str, Any]], opts: TrainOptions) -> bool:
+    """Every step committed exactly once, each with its global batch covered exactly once inside the
+    all-reduce, so every sample of each epoch was used exactly once (per-epoch tally checked)."""
+    steps = [c["step"] for c in commits]
+    if sorted(steps) != list(range(opts.steps)) or not all(c["samples_covered_once"] for c in commits):
+        return False
+    from phalanx.workload.charlm_train import build
+
+    _, data = build(seed=opts.seed, global_batch_size=opts.global_batch_size)
+    n, gbs = len(data), opts.global_batch_size
+    spe = sharding.steps_per_epoch(n, gbs)
+    tally: Counter[int] = Counter()
+    for s in steps:
+        tally.update(int(i) for i in sharding.global_batch(s, n, gbs, opts.seed))
+    full_epochs = opts.steps // spe
+    return all(v == full_epochs or (v == full_epochs + 1) for v in tally.values()) and \
+        sum(tally.values()) == opts.steps * gbs and max(tally.values(), default=0) <= full_epochs + 1
+
+
+def false_suspicions(res: LaunchResult) -> int:
+    """Suspicions of workers that no fault targeted (a fault-free run must have none)."""
+    targeted = {f"w{f['worker']}" for f in res.faults if f.get("worker") is not None}
+    return sum(1 for e in res.events if e.get("event") == "worker_suspected" and e.get("worker") not in targeted)
+
+
+def compare_with_reference(opts: TrainOptions) -> dict[str, Any]:
+    import torch
+
+    from phalanx.checkpoint.durable import read_tensors_file
+    from phalanx.workload.charlm_train import build
+    from phalanx.workload.reference import max_abs_diff, train_reference
+
+    torch.set_num_threads(1)
+    cfg, data = build(seed=opts.seed, global_batch_size=opts.global_batch_size)
+    ref = train_reference(cfg, data, opts.steps, opts.seed)
+    finals = sorted(opts.run_dir.glob("final_*.safetensors"))
+    diffs = {p.stem.removeprefix("final_"): max_abs_diff(read_tensors_file(p), ref.params) for p in finals}
+    return {
+        "reference_max_abs_diff": max(diffs.values()) if diffs else None,
+        "reference_max_abs_diff_per_worker": diffs,
+        "reference_final_loss": ref.final_loss,
+        "reference_wall_s": round(ref.wall_s, 3),
+    }

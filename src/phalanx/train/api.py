@@ -1,0 +1,348 @@
+"""The synchronous user API: a thin facade over the asyncio WorkerAgent.
+
+    job = phalanx.join()
+    job.track(model=model, optimizer=optimizer)
+    for step in job.steps(total_steps):
+        idx = step.shard(dataset_size, global_batch_size)
+        loss = loss_fn(model(x[idx]), y[idx])
+        loss.backward()
+        step.allreduce_gradients(model, loss=loss)
+        optimizer.step(); optimizer.zero_grad()
+
+The agent runs on its own event loop in a dedicated control thread (which is also the heartbeat
+thread). A step whose quorum broke is *latched* as failed: the tracked optimizer's ``step()``
+becomes a no-op, and when the loop body ends the same step number runs again on the new quorum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from phalanx.core.auth import read_token_file
+from phalanx.core.errors import (
+    CollectiveError, ConfigError, CoordinatorLost, HealError, JobFailed, PeerTimeout, PhalanxError,
+    QuorumBroken, StaleEpoch, StateCorrupt,
+)
+from phalanx.core.messages import InjectFault
+from phalanx.train import sharding
+from phalanx.train.faults_in_process import InProcessFaults
+from phalanx.train.worker_agent import Assignment, WorkerAgent, WorkerConfig
+
+MAX_ATTEMPTS_PER_STEP = 100
+
+
+class Step:
+    """One attempt at one training step, on one quorum."""
+
+    def __init__(self, job: "Job", a: Assignment) -> None:
+        self._job, self._a = job, a
+        self.started_s = time.monotonic()
+        self._shard: tuple[int, int, np.ndarray, int, int] | None = None  # offset, count, idx, gbs, size
+        self.loss: float | None = None
+        self.committed = False
+        self.failed = ""
+        self._reduced = False
+
+    number = property(lambda self: self._a.step, doc="the step number (same on every retry)")
+    quorum_id = property(lambda self: self._a.quorum_id, doc="the epoch this attempt runs in")
+    members = property(lambda self: list(self._a.members), doc="worker ids in this step's quorum")
+    rank = property(lambda self: self._a.rank)
+    world_size = property(lambda self: self._a.world_size)
+
+    def shard(self, dataset_size: int, global_batch_size: int) -> np.ndarray:
+        """This worker's sample indices of this step's fixed global batch."""
+        offset, count = sharding.shard_bounds(global_batch_size, self.rank, self.world_size)
+        gb = sharding.global_batch(self.number, dataset_size, global_batch_size, self._job.data_seed)
+        idx = np.asarray(gb[offset : offset + count])
+        self._shard = (offset, count, idx, global_batch_size, dataset_size)
+        return idx
+
+    def allreduce_gradients(self, model: torch.nn.Module | None, loss: torch.Tensor | float | None = None) -> bool:
+        """Average gradients over the whole global batch across the quorum. Returns True on commit.
+
+        On a broken quorum the gradients are zeroed, the step is latched as failed (the tracked
+        optimizer will not step) and the loop body will run again. Never raises for faults.
+        """
+        assert not self._reduced, "allreduce_gradients is called once per step"
+        self._reduced = True
+        return self._job._allreduce(self, model, loss)
+
+
+@dataclass
+class _Counters:
+    steps_committed: int = 0
+    steps_retried: int = 0
+    heals: int = 0
+
+
+class Job:
+    def __init__(self, agent: WorkerAgent, loop: asyncio.AbstractEventLoop, run_dir: Path, data_seed: int,
+                 worker_id: str) -> None:
+        self.agent, self._loop = agent, loop
+        self.run_dir, self.data_seed, self.worker_id = run_dir, data_seed, worker_id
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.counters = _Counters()
+        self._current: Step | None = None
+        self._last: Assignment | None = None
+        self.faults = InProcessFaults(self)
+        self._spans = _SpanLog(run_dir / "workers" / f"{worker_id}.jsonl", worker_id)
+
+    # ---- properties users read ----
+    @property
+    def rank(self) -> int:
+        return self._last.rank if self._last else 0
+
+    @property
+    def world_size(self) -> int:
+        return self._last.world_size if self._last else 1
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Register the state that is healed to joining workers and checkpointed."""
+        self.model, self.optimizer = model, optimizer
+        if optimizer is not None:
+            original = optimizer.step
+
+            def guarded_step(*args: Any, **kwargs: Any) -> Any:
+                cur = self._current
+                if cur is not None and cur.failed:
+                    return None  # the step is being rolled back: leave the optimizer untouched
+                return original(*args, **kwargs)
+
+            optimizer.step = guarded_step  # type: ignore[method-assign]
+        self.agent.state_provider = self._encode_state
+
+    # ---- the step loop ----
+    def steps(self, total: int) -> Iterator[Step]:
+        if self.model is None:
+            raise ConfigError("call job.track(model=..., optimizer=...) before job.steps()")
+        step = self.agent.last_committed_step + 1
+        try:
+            while step < total:
+                a = self._acquire(step)
+                step = a.step
+                if step >= total:
+                    break
+                st = Step(self, a)
+                self._current = st
+                rng = torch.get_rng_state()
+                yield st
+                if not st._reduced and not st.failed:
+                    self._allreduce(st, None, None)  # a body without gradients still votes
+                if st.committed:
+                    self._after_commit(st)
+                    step += 1
+                else:
+                    self._rollback(st, rng)
+        except GeneratorExit:
+            self._call(self.agent.goodbye(False, "loop body raised or exited early"))
+            raise
+        self._current = None
+        self._call(self.agent.goodbye(True, "finished"))
+
+    def _acquire(self, step: int) -> Assignment:
+        t0 = time.monotonic()
+        for _ in range(MAX_ATTEMPTS_PER_STEP):
+            try:
+                a = self._call(self.agent.wait_for_quorum(step))
+                self._prepare(a)
+                self._last = a
+                self._spans.add("quorum_wait", t0, step=a.step, quorum_id=a.quorum_id)
+                return a
+            except (CoordinatorLost, QuorumBroken, HealError, StaleEpoch, StateCorrupt) as e:
+                self._spans.event("acquire_retry", step=step, reason=str(e))
+                if isinstance(e, CoordinatorLost):
+                    self._call(self.agent.reconnect())
+            except PeerTimeout as e:
+                raise JobFailed(f"{self.worker_id}: {e}") from e
+        raise JobFailed(f"{self.worker_id}: no usable quorum for step {step} after {MAX_ATTEMPTS_PER_STEP} attempts")
+
+    def _prepare(self, a: Assignment) -> None:
+        """Heal, restore or serve before the step body runs (state is stable while we wait)."""
+        if a.restore_checkpoint:
+            from phalanx.checkpoint.durable import read_checkpoint
+            from phalanx.checkpoint.state_codec import restore_training_state
+
+            t0 = time.monotonic()
+            ck_step, state, _meta = read_checkpoint(a.restore_checkpoint)
+            restore_training_state(self.model, self.optimizer, state)
+            self.agent.last_committed_step, self.agent.has_state = ck_step, True
+            self._spans.add("restore", t0, step=ck_step, path=a.restore_checkpoint)
+        elif a.heal_from:
+            from phalanx.checkpoint.state_codec import decode_training_state, restore_training_state
+
+            t0 = time.monotonic()
+            healed = self._call(self.agent.heal(a))
+            state = decode_training_state(healed.header, healed.buffers)
+            restore_training_state(self.model, self.optimizer, state)
+            self._call(self.agent.heal_done(a, healed.checksum))
+            self.counters.heals += 1
+            self._spans.add("heal", t0, step=a.step, source=a.heal_from, quorum_id=a.quorum_id)
+        if a.heal_targets:
+            t0 = time.monotonic()
+            self._call(self.agent.serve_heals(a))
+            self._spans.add("heal_serve", t0, step=a.step, targets=list(a.heal_targets))
+
+    def _encode_state(self) -> tuple[bytes, list[memoryview]]:
+        from phalanx.checkpoint.state_codec import capture_training_state, encode_training_state
+
+        assert self.model is not None
+        state = capture_training_state(self.model, self.optimizer, {"step": self.agent.last_committed_step})
+        return encode_training_state(state)
+
+    def _allreduce(self, st: Step, model: torch.nn.Module | None, loss: Any) -> bool:
+        compute_s = time.monotonic() - st.started_s
+        self.faults.before_allreduce(st, compute_s)
+        params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        sh = st._shard
+        offset, count, idx, gbs = (sh[0], sh[1], sh[2], sh[3]) if sh else (0, 0, np.zeros(0, np.int64), 0)
+        frac = count / gbs if gbs else 0.0
+        loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0.0)
+        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) * frac for p in params]
+        coverage = torch.zeros(gbs, dtype=torch.float32)
+        coverage[offset : offset + count] = torch.from_numpy(idx.astype(np.float32) + 1.0)
+        flat = torch.cat([*[t.float() for t in parts], coverage, torch.tensor([loss_value * frac])])
+        expected = None
+        if sh is not None:
+            expected = torch.from_numpy(
+                np.asarray(sharding.global_batch(st.number, sh[4], gbs, self.data_seed), dtype=np.float32) + 1.0)
+
+        def verify(t: torch.Tensor) -> tuple[bool, float]:
+            n = t.numel()
+            cov = t[n - 1 - gbs : n - 1]
+            ok = expected is not None and bool(torch.equal(cov, expected))
+            return ok, float(t[-1])
+
+        t0 = time.monotonic()
+        self._spans.add("compute", st.started_s, step=st.number, quorum_id=st.quorum_id)
+        try:
+            decision = self._call(self.agent.allreduce(st._a, flat, verify, compute_s))
+        except (CoordinatorLost, PeerTimeout, CollectiveError) as e:
+            return self._latch(st, params, f"no commit decision: {e}", t0)
+        if not decision.commit:
+            return self._latch(st, params, decision.reason, t0)
+        pos = 0
+        for p in params:
+            n = p.numel()
+            reduced = flat[pos : pos + n].view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = reduced.clone()
+            else:
+                p.grad.copy_(reduced)
+            pos += n
+        st.committed, st.loss = True, decision.loss
+        self._spans.add("allreduce", t0, step=st.number, quorum_id=st.quorum_id, commit=True)
+        return True
+
+    def _latch(self, st: Step, params: list[torch.nn.Parameter], reason: str, t0: float) -> bool:
+        st.failed = reason or "step aborted"
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        self._spans.add("allreduce", t0, step=st.number, quorum_id=st.quorum_id, commit=False, reason=st.failed)
+        return False
+
+    def _after_commit(self, st: Step) -> None:
+        self.agent.committed(st.number)
+        self.counters.steps_committed += 1
+        self._spans.event("committed", step=st.number, quorum_id=st.quorum_id, loss=st.loss)
+        if st._a.write_checkpoint:
+            from phalanx.checkpoint.durable import write_checkpoint
+            from phalanx.checkpoint.state_codec import capture_training_state
+
+            t0 = time.monotonic()
+            state = capture_training_state(self.model, self.optimizer, {"step": st.number})
+            path = write_checkpoint(self.run_dir, st.number, state, {"quorum_id": st.quorum_id,
+                                                                    "members": list(st._a.members)})
+            self._call(self.agent.checkpoint_written(st.number, str(path)))
+            self._spans.add("checkpoint", t0, step=st.number)
+
+    def _rollback(self, st: Step, rng: torch.Tensor) -> None:
+        self.counters.steps_retried += 1
+        torch.set_rng_state(rng)
+        if self.model is not None:
+            for p in self.model.parameters():
+                p.grad = None
+        self._spans.event("rolled_back", step=st.number, quorum_id=st.quorum_id, reason=st.failed)
+
+    def save_final(self, name: str = "final") -> Path:
+        """Write this worker's final parameters (raw safetensors) for comparison with a reference."""
+        from phalanx.checkpoint.durable import write_tensors_file
+
+        assert self.model is not None
+        path = self.run_dir / f"{name}.safetensors"
+        write_tensors_file(path, {k: v.detach() for k, v in self.model.state_dict().items()})
+        return path
+
+    def close(self) -> None:
+        self._spans.close()
+
+
+class _SpanLog:
+    """Per-worker spans and events (JSON lines, monotonic clock shared by all local processes)."""
+
+    def __init__(self, path: Path, worker_id: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a", buffering=1)
+        self._wid = worker_id
+
+    def add(self, span: str, start_s: float, **fields: Any) -> None:
+        now = time.monotonic()
+        self._write({"mono": round(start_s, 6), "dur": round(now - start_s, 6), "node": self._wid, "span": span, **fields})
+
+    def event(self, event: str, **fields: Any) -> None:
+        self._write({"mono": round(time.monotonic(), 6), "node": self._wid, "event": event, **fields})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        try:
+            self._f.write(json.dumps(record) + "\n")
+        except ValueError:
+            pass  # closed at exit
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def join(**overrides: Any) -> Job:
+    """Join the cluster this process was started into by ``phalanx launch`` (reads PHALANX_* env)."""
+    env = {**os.environ, **{k.upper(): str(v) for k, v in overrides.items()}}
+    try:
+        coordinator = env["PHALANX_COORDINATOR"]
+        token = read_token_file(env["PHALANX_TOKEN_FILE"])
+        worker_id = env["PHALANX_WORKER_ID"]
+    except KeyError as e:
+        raise ConfigError(f"{e.args[0]} is not set: start this script with `phalanx launch -- python SCRIPT`") from e
+    run_dir = Path(env.get("PHALANX_RUN_DIR", "runs/latest"))
+    data_seed = int(env.get("PHALANX_DATA_SEED", "0"))
+    from phalanx.collectives.process_group import TorchProcessGroupFactory
+    from phalanx.transport.real_host import RealHost
+    from phalanx.transport.tcp import TcpTransport
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="phalanx-control", daemon=True)
+    thread.start()
+    transport = TcpTransport(token, name=worker_id)
+    host = RealHost(worker_id, transport)
+    cfg = WorkerConfig(worker_id=worker_id, coordinator_address=coordinator,
+                       heal_bind=env.get("PHALANX_HEAL_BIND", "127.0.0.1:0"))
+    agent = WorkerAgent(host, cfg, lambda addr: TorchProcessGroupFactory(addr, token))
+    job = Job(agent, loop, run_dir, data_seed, worker_id)
+    agent._on_fault = job.faults.on_fault  # called on the control thread
+    job.faults.install()
+    asyncio.run_coroutine_threadsafe(agent.start(), loop).result(timeout=cfg.connect_timeout_s * 2)
+    return job

@@ -1,0 +1,402 @@
+"""The worker's side of the step protocol: asyncio code behind the Host seam.
+
+It joins the coordinator, heartbeats, waits for quorums, heals from peers, runs the gradient
+all-reduce on the quorum's process group and waits for the commit decision. The synchronous user
+API (:mod:`phalanx.train.api`) is a thin facade over it; the simulator drives it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from phalanx.collectives.process_group import ProcessGroup, ProcessGroupFactory
+from phalanx.core.errors import (
+    CollectiveError, CoordinatorLost, HealError, PeerTimeout, QuorumBroken, StaleEpoch, TransportError,
+)
+from phalanx.core.host import Connection, Host
+from phalanx.core.messages import (
+    AllreduceDone, CheckpointWritten, Goodbye, HealAck, HealChunk, HealDone, HealOffer, HealRequest,
+    Heartbeat, Hello, InjectFault, Progress, QuorumAssigned, QuorumBroken as QuorumBrokenMsg,
+    QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
+)
+
+# (state header, buffers) of the live training state, captured on demand for a heal
+StateProvider = Callable[[], tuple[bytes, list[memoryview]]]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    coordinator_address: str
+    heal_bind: str = "127.0.0.1:0"
+    connect_timeout_s: float = 10.0
+    quorum_timeout_s: float = 300.0
+    decision_timeout_s: float = 60.0
+    heal_timeout_s: float = 60.0
+    reconnect_timeout_s: float = 30.0
+    heal_chunk_bytes: int = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Assignment:
+    step: int
+    quorum_id: int
+    members: tuple[str, ...]
+    rank: int
+    heal_from: str
+    heal_address: str
+    heal_targets: tuple[str, ...]
+    restore_checkpoint: str
+    write_checkpoint: bool
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class HealedState:
+    header: bytes
+    buffers: list[memoryview]
+    checksum: str
+    source: str
+
+
+class WorkerAgent:
+    def __init__(self, host: Host, cfg: WorkerConfig, pg_factory: Callable[[str], ProcessGroupFactory],
+                 state_provider: StateProvider | None = None,
+                 on_fault: Callable[[InjectFault], None] | None = None) -> None:
+        self.host, self.cfg = host, cfg
+        self._make_pg_factory = pg_factory
+        self._pg_factory: ProcessGroupFactory | None = None
+        self.state_provider = state_provider
+        self._on_fault = on_fault
+        self.incarnation = f"{host.rng.getrandbits(48):012x}"
+        self.welcome: Welcome | None = None
+        self.max_quorum_id_seen = 0
+        self.last_committed_step = -1
+        self.has_state = False
+        self.shutdown_reason = ""
+        self._conn: Connection | None = None
+        self._assignment: asyncio.Future[Assignment] | None = None
+        self._decisions: dict[tuple[int, int], asyncio.Future[StepDecision]] = {}
+        self._broken: dict[int, asyncio.Event] = {}
+        self._pg: ProcessGroup | None = None
+        self._serving: Assignment | None = None
+        self._heal_acks: dict[str, asyncio.Future[bool]] = {}
+        self._snapshot: tuple[int, bytes, list[memoryview], str] | None = None
+        self._lost = asyncio.Event()
+        self.heal_address = ""
+
+    # ---- connection ----
+    async def start(self) -> None:
+        listener = await self.host.transport.listen(self.cfg.heal_bind, self._serve_heal)
+        self.heal_address = listener.address
+        await self._connect()
+        self.host.spawn(self._heartbeats(), "heartbeat")
+
+    async def _connect(self) -> None:
+        conn = await self.host.transport.connect(self.cfg.coordinator_address, self.cfg.connect_timeout_s)
+        await conn.send(Hello(worker_id=self.cfg.worker_id, incarnation=self.incarnation, pid=os.getpid(),
+                              heal_address=self.heal_address, last_committed_step=self.last_committed_step,
+                              max_quorum_id_seen=self.max_quorum_id_seen, has_state=self.has_state))
+        welcome, _ = await asyncio.wait_for(conn.recv(), self.cfg.connect_timeout_s)
+        if isinstance(welcome, Refused):
+            raise TransportError(f"coordinator refused this worker: {welcome.reason}")
+        assert isinstance(welcome, Welcome), f"expected Welcome, got {type(welcome).__name__}"
+        self.welcome, self._conn = welcome, conn
+        self._lost.clear()
+        self.host.spawn(self._reader(conn), "reader")
+
+    async def reconnect(self) -> None:
+        """After losing the coordinator: retry with backoff until reconnect_timeout_s."""
+        deadline = self.host.now() + self.cfg.reconnect_timeout_s
+        delay_s = 0.05
+        while True:
+            try:
+                await self._connect()
+                return
+            except (TransportError, asyncio.TimeoutError, OSError) as e:
+                if self.host.now() + delay_s > deadline:
+                    raise CoordinatorLost(f"coordinator {self.cfg.coordinator_address} unreachable for "
+                                          f"{self.cfg.reconnect_timeout_s:.0f} s: {e}") from e
+                await self.host.sleep(delay_s)
+                delay_s = min(delay_s * 2, 1.0)
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.is_closed and not self._lost.is_set()
+
+    async def _send(self, message: Any) -> None:
+        if not self.connected:
+            raise CoordinatorLost("not connected to the coordinator")
+        assert self._conn is not None
+        try:
+            await self._conn.send(message)
+        except TransportError as e:
+            raise CoordinatorLost(f"lost the coordinator: {e}") from e
+
+    async def _heartbeats(self) -> None:
+        seq = 0
+        while not self.shutdown_reason:
+            interval_s = self.welcome.heartbeat_interval_s if self.welcome else 0.1
+            if self.connected:
+                seq += 1
+                try:
+                    await self._send(Heartbeat(seq=seq, step=self.last_committed_step))
+                except CoordinatorLost:
+                    pass
+            await self.host.sleep(interval_s)
+
+    async def _reader(self, conn: Connection) -> None:
+        try:
+            while True:
+                message, _ = await conn.recv()
+                self._dispatch(message)
+        except TransportError:
+            pass
+        finally:
+            if conn is self._conn:
+                self._lost.set()
+                err = CoordinatorLost("connection to the coordinator was lost")
+                for fut in [self._assignment, *self._decisions.values()]:
+                    if fut is not None and not fut.done():
+                        fut.set_exception(err)
+                        fut.exception()  # mark retrieved; the waiter re-raises it
+
+    def _dispatch(self, m: Any) -> None:
+        if isinstance(m, QuorumAssigned):
+            a = Assignment(m.step, m.quorum_id, tuple(m.members), m.rank, m.heal_from, m.heal_address,
+                           tuple(m.heal_targets), m.restore_checkpoint, m.write_checkpoint)
+            assert a.quorum_id >= self.max_quorum_id_seen, "quorum ids never go back"
+            self.max_quorum_id_seen = a.quorum_id
+            if self._assignment is not None and not self._assignment.done():
+                self._assignment.set_result(a)
+        elif isinstance(m, QuorumBrokenMsg):
+            self._broken_event(m.quorum_id).set()
+        elif isinstance(m, StepDecision):
+            fut = self._decisions.get((m.step, m.quorum_id))
+            if fut is not None and not fut.done():
+                fut.set_result(m)
+        elif isinstance(m, InjectFault):
+            if self._on_fault:
+                self._on_fault(m)
+        elif isinstance(m, Shutdown):
+            self.shutdown_reason = m.reason
+
+    def _broken_event(self, quorum_id: int) -> asyncio.Event:
+        if quorum_id not in self._broken:
+            self._broken = {q: e for q, e in self._broken.items() if q >= quorum_id - 8}  # bounded
+            self._broken[quorum_id] = asyncio.Event()
+        return self._broken[quorum_id]
+
+    # ---- the step protocol ----
+    async def wait_for_quorum(self, step: int) -> Assignment:
+        """Ask for a quorum for our next step; returns this member's assignment."""
+        if not self.connected:
+            await self.reconnect()
+        self._assignment = asyncio.get_running_loop().create_future()
+        await self._send(QuorumRequest(step=step, last_committed_step=self.last_committed_step,
+                                       has_state=self.has_state))
+        try:
+            return await asyncio.wait_for(self._assignment, self.cfg.quorum_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise PeerTimeout(f"no quorum formed within {self.cfg.quorum_timeout_s:.0f} s") from e
+
+    async def process_group(self, a: Assignment) -> ProcessGroup:
+        if self._pg is not None and self._pg.quorum_id == a.quorum_id:
+            return self._pg
+        if self._pg is not None:
+            self._pg.abandon()  # a new epoch: the old group is never used again
+            self._pg = None
+        if self._pg_factory is None:
+            assert self.welcome is not None
+            self._pg_factory = self._make_pg_factory(self.welcome.store_address)
+        timeout_s = self.welcome.collective_timeout_s if self.welcome else 5.0
+        self._pg = await self._race_broken(a, self._pg_factory.create(a.quorum_id, a.rank, a.world_size, timeout_s))
+        return self._pg
+
+    async def allreduce(self, a: Assignment, tensor: Any, verify: Callable[[Any], tuple[bool, float]],
+                        compute_s: float) -> StepDecision:
+        """All-reduce ``tensor`` (sum, in place), report the outcome, and wait for the verdict.
+
+        ``verify`` inspects the reduced buffer and returns (global batch covered exactly once,
+        global loss); both ride in the buffer itself, so the accounting is what really moved.
+        """
+        key = (a.step, a.quorum_id)
+        self._decisions[key] = asyncio.get_running_loop().create_future()
+        t0 = self.host.now()
+        ok, error = True, ""
+        try:
+            pg = await self.process_group(a)
+            await self._send(Progress(step=a.step, quorum_id=a.quorum_id, phase="allreduce"))
+            timeout_s = self.welcome.collective_timeout_s if self.welcome else 5.0
+            await self._race_broken(a, pg.allreduce_sum(tensor, timeout_s))
+        except CollectiveError as e:
+            ok, error = False, str(e)
+        except QuorumBroken as e:
+            ok, error = False, str(e)
+        covered_once, loss = verify(tensor) if ok else (False, 0.0)
+        await self._send(AllreduceDone(step=a.step, quorum_id=a.quorum_id, ok=ok, error=error,
+                                       loss=loss, samples_covered_once=covered_once,
+                                       compute_s=compute_s, allreduce_s=self.host.now() - t0))
+        try:
+            return await asyncio.wait_for(self._decisions[key], self.cfg.decision_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise PeerTimeout(f"no commit decision for step {a.step} within {self.cfg.decision_timeout_s:.0f} s") from e
+        finally:
+            self._decisions.pop(key, None)
+
+    async def _race_broken(self, a: Assignment, coro: Any) -> Any:
+        """Run ``coro`` unless the coordinator declares this quorum broken first."""
+        work = asyncio.ensure_future(coro)
+        broken = asyncio.ensure_future(self._broken_event(a.quorum_id).wait())
+        lost = asyncio.ensure_future(self._lost.wait())
+        try:
+            await asyncio.wait([work, broken, lost], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            broken.cancel()
+            lost.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        if self._lost.is_set():
+            raise CoordinatorLost("lost the coordinator during the step")
+        raise QuorumBroken(f"quorum {a.quorum_id} was broken by the coordinator")
+
+    def committed(self, step: int) -> None:
+        assert step == self.last_committed_step + 1 or self.last_committed_step == -1 or step > self.last_committed_step
+        self.last_committed_step, self.has_state = step, True
+
+    async def checkpoint_written(self, step: int, path: str) -> None:
+        try:
+            await self._send(CheckpointWritten(step=step, path=path))
+        except CoordinatorLost:
+            pass
+
+    async def goodbye(self, completed: bool, reason: str) -> None:
+        try:
+            await self._send(Goodbye(completed=completed, reason=reason, final_step=self.last_committed_step))
+        except CoordinatorLost:
+            pass
+
+    # ---- healing: fetching ----
+    async def heal(self, a: Assignment) -> HealedState:
+        """Copy the live state from ``a.heal_from`` (fenced by the quorum id)."""
+        try:
+            return await asyncio.wait_for(self._race_broken(a, self._fetch(a)), self.cfg.heal_timeout_s)
+        except (TransportError, asyncio.TimeoutError) as e:
+            raise HealError(f"healing from {a.heal_from} failed: {e or 'timed out'}") from e
+
+    async def _fetch(self, a: Assignment) -> HealedState:
+        conn = await self.host.transport.connect(a.heal_address, self.cfg.connect_timeout_s)
+        try:
+            await conn.send(HealRequest(worker_id=self.cfg.worker_id, quorum_id=a.quorum_id, step=a.step))
+            offer, _ = await conn.recv()
+            if isinstance(offer, Refused):
+                raise StaleEpoch(f"{a.heal_from} refused to heal us: {offer.reason}")
+            if not isinstance(offer, HealOffer) or offer.quorum_id != a.quorum_id:
+                raise HealError(f"{a.heal_from} sent {type(offer).__name__} for the wrong epoch")
+            chunks: list[memoryview] = []
+            digest = hashlib.sha256()
+            for i in range(offer.chunk_count):
+                chunk_msg, bufs = await conn.recv()
+                assert isinstance(chunk_msg, HealChunk) and chunk_msg.index == i, "heal chunks arrive in order"
+                for b in bufs:
+                    digest.update(b)
+                    chunks.append(b)
+            checksum = digest.hexdigest()
+            ok = checksum == offer.checksum
+            await conn.send(HealAck(quorum_id=a.quorum_id, checksum=checksum, ok=ok))
+            if not ok:
+                raise HealError(f"state from {a.heal_from} failed its checksum ({checksum[:12]} != {offer.checksum[:12]})")
+            from phalanx.checkpoint.state_codec import join_chunks
+            buffers = join_chunks(chunks, list(offer.buffer_sizes))
+            return HealedState(offer.state_header, buffers, checksum, a.heal_from)
+        finally:
+            conn.close()
+
+    async def heal_done(self, a: Assignment, checksum: str) -> None:
+        self.last_committed_step, self.has_state = a.step - 1, True
+        await self._send(HealDone(step=a.step, quorum_id=a.quorum_id, checksum=checksum, source=a.heal_from))
+
+    # ---- healing: serving ----
+    async def serve_heals(self, a: Assignment) -> None:
+        """Serve our committed state to a's heal targets; returns once each acked or was lost."""
+        self._serving = a
+        self._snapshot = None
+        loop = asyncio.get_running_loop()
+        for t in a.heal_targets:
+            self._heal_acks.setdefault(t, loop.create_future())
+        waits = [self._heal_acks[t] for t in a.heal_targets]
+        try:
+            await self._race_broken(a, asyncio.wait_for(asyncio.gather(*waits), self.cfg.heal_timeout_s))
+        except (asyncio.TimeoutError, QuorumBroken):
+            pass  # the coordinator notices a lost target and re-forms the quorum
+        finally:
+            for t in a.heal_targets:
+                self._heal_acks.pop(t, None)
+            self._serving, self._snapshot = None, None
+
+    async def _serve_heal(self, conn: Connection) -> None:
+        try:
+            req, _ = await conn.recv()
+            if not isinstance(req, HealRequest):
+                return
+            a = await self._wait_serving(req)
+            if a is None:
+                await conn.send(Refused(reason=f"not serving quorum {req.quorum_id} (stale epoch)"))
+                return
+            step_, header, buffers, checksum = self._capture(a)
+            chunk_bytes = self.cfg.heal_chunk_bytes
+            from phalanx.checkpoint.state_codec import chunk_buffers
+            chunks = chunk_buffers(buffers, chunk_bytes)
+            # group chunks into frames of at most chunk_bytes each
+            frames: list[list[memoryview]] = []
+            size = chunk_bytes + 1
+            for c in chunks:
+                if size + c.nbytes > chunk_bytes:
+                    frames.append([])
+                    size = 0
+                frames[-1].append(c)
+                size += c.nbytes
+            await conn.send(HealOffer(quorum_id=a.quorum_id, step=a.step, state_header=header,
+                                      buffer_sizes=[b.nbytes for b in buffers], chunk_count=len(frames),
+                                      checksum=checksum))
+            for i, frame in enumerate(frames):
+                await conn.send(HealChunk(index=i), frame)
+            ack, _ = await conn.recv()
+            ok = isinstance(ack, HealAck) and ack.ok and ack.checksum == checksum
+            fut = self._heal_acks.get(req.worker_id)
+            if fut is not None and not fut.done():
+                fut.set_result(ok)
+        except TransportError:
+            pass
+        finally:
+            conn.close()
+
+    async def _wait_serving(self, req: HealRequest) -> Assignment | None:
+        """The joiner may ask a moment before our own assignment arrives; wait briefly for it."""
+        for _ in range(200):
+            a = self._serving
+            if a is not None and a.quorum_id == req.quorum_id and req.worker_id in a.heal_targets:
+                return a
+            if a is not None and a.quorum_id > req.quorum_id:
+                return None
+            await self.host.sleep(0.01)
+        return None
+
+    def _capture(self, a: Assignment) -> tuple[int, bytes, list[memoryview], str]:
+        if self._snapshot is None or self._snapshot[0] != a.quorum_id:
+            assert self.state_provider is not None, "a heal source needs a state provider"
+            header, buffers = self.state_provider()
+            digest = hashlib.sha256()
+            for b in buffers:
+                digest.update(b)
+            self._snapshot = (a.quorum_id, header, buffers, digest.hexdigest())
+        return self._snapshot

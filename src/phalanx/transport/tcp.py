@@ -1,0 +1,245 @@
+"""TcpTransport: the real control-plane transport (asyncio TCP, HMAC-authenticated frames).
+
+A frame that fails authentication, exceeds the size bound, is garbled or speaks another protocol
+version closes that one connection with a logged reason. Nothing else changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.core import auth
+from phalanx.core.codec import LEN, body_length, check_version, decode_body, encode_body
+from phalanx.core.errors import AuthError, ConnectionClosed, FrameRejected, TransportError
+from phalanx.core.messages import PROTOCOL_VERSION, ClientHello, Refused, ServerHello
+
+log = logging.getLogger("phalanx.transport")
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class TransportStats:
+    """Bytes and frames moved (the 'transport cost is zero' fallacy, counted)."""
+
+    bytes_sent: int = 0
+    frames_sent: int = 0
+    bytes_received: int = 0
+    frames_received: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+    def note_rejected(self, kind: str) -> None:
+        self.rejected[kind] = self.rejected.get(kind, 0) + 1
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise TransportError(f"address {address!r} is not HOST:PORT")
+    return host or "127.0.0.1", int(port)
+
+
+class TcpConnection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
+                 is_client: bool, peer: str, max_frame_bytes: int, stats: TransportStats) -> None:
+        self._reader, self._writer, self._key = reader, writer, key
+        self._send_dir, self._recv_dir = (b"C", b"S") if is_client else (b"S", b"C")
+        self._send_seq = 0
+        self._recv_seq = 0
+        self.peer = peer
+        self._max = max_frame_bytes
+        self.stats = stats
+        self._closed = False
+        self.close_reason = ""
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    async def send(self, message: Any, buffers: Sequence[bytes | bytearray | memoryview] = ()) -> None:
+        if self._closed:
+            raise ConnectionClosed(f"connection to {self.peer} is closed ({self.close_reason})")
+        parts = encode_body(message, buffers)
+        n = body_length(parts)
+        if n > self._max:
+            raise TransportError(f"refusing to send a {n}-byte frame; the limit is {self._max}")
+        mac = auth.frame_mac(self._key, self._send_dir, self._send_seq, parts)
+        self._send_seq += 1
+        self._writer.writelines([LEN.pack(n), mac, *parts])  # one frame, never interleaved
+        self.stats.bytes_sent += n + LEN.size + auth.MAC_BYTES
+        self.stats.frames_sent += 1
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError) as e:
+            self.close(f"send failed: {e}")
+            raise ConnectionClosed(f"connection to {self.peer} lost: {e}") from e
+
+    async def recv(self) -> tuple[Any, list[memoryview]]:
+        try:
+            mac, body = await read_frame(self._reader, self._max)
+        except FrameRejected as e:
+            self._reject(str(e), "oversized" if "limit" in str(e) else "garbled")
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            self.close("peer closed the connection")
+            raise ConnectionClosed(f"connection to {self.peer} closed") from e
+        expected = auth.frame_mac(self._key, self._recv_dir, self._recv_seq, [body])
+        if not auth.macs_equal(mac, expected):
+            self._reject("frame failed HMAC verification (wrong token, replay or corruption)", "auth")
+            raise AuthError(f"frame from {self.peer} failed HMAC verification")
+        self._recv_seq += 1
+        self.stats.bytes_received += len(body) + LEN.size + auth.MAC_BYTES
+        self.stats.frames_received += 1
+        try:
+            return decode_body(memoryview(body))
+        except FrameRejected as e:
+            self._reject(str(e), "garbled")
+            raise
+
+    def _reject(self, reason: str, kind: str) -> None:
+        log.warning("closing connection with %s: %s", self.peer, reason)
+        self.stats.note_rejected(kind)
+        self.close(reason)
+
+    def close(self, reason: str = "closed") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.close_reason = reason
+        try:
+            self._writer.close()
+        except RuntimeError:  # loop already closed
+            pass
+
+
+async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> tuple[bytes, bytes]:
+    head = await reader.readexactly(LEN.size + auth.MAC_BYTES)
+    (n,) = LEN.unpack_from(head, 0)
+    if n > max_frame_bytes:
+        raise FrameRejected(f"frame of {n} bytes exceeds the limit of {max_frame_bytes}")
+    body = await reader.readexactly(n)
+    return head[LEN.size :], body
+
+
+class TcpListener:
+    def __init__(self, server: asyncio.Server, address: str) -> None:
+        self._server = server
+        self.address = address
+
+    def close(self) -> None:
+        self._server.close()
+
+
+class TcpTransport:
+    """Real TCP transport. One per process; all connections share its token and stats."""
+
+    def __init__(self, token: bytes, name: str = "node", max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 handshake_timeout_s: float = 5.0,
+                 on_reject: Callable[[str, str], None] | None = None) -> None:
+        self._token = token
+        self.name = name
+        self.max_frame_bytes = max_frame_bytes
+        self.handshake_timeout_s = handshake_timeout_s
+        self.stats = TransportStats()
+        self._on_reject = on_reject
+
+    async def connect(self, address: str, timeout_s: float) -> TcpConnection:
+        host, port = split_address(address)
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise TransportError(f"cannot connect to {address}: {e or 'timed out'}") from e
+        _nodelay(writer)
+        try:
+            return await asyncio.wait_for(self._client_handshake(reader, writer, address), self.handshake_timeout_s)
+        except asyncio.TimeoutError as e:
+            writer.close()
+            raise TransportError(f"handshake with {address} timed out") from e
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            writer.close()
+            raise TransportError(f"{address} closed the connection during the handshake") from e
+
+    async def _client_handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                address: str) -> TcpConnection:
+        nonce = auth.new_nonce()
+        await _send_handshake(writer, self._token, ClientHello(protocol_version=PROTOCOL_VERSION, nonce=nonce, client=self.name))
+        mac, body = await read_frame(reader, self.max_frame_bytes)
+        if not auth.macs_equal(mac, auth.handshake_mac(self._token, body)):
+            writer.close()
+            raise AuthError(f"{address} failed authentication (different cluster token?)")
+        reply, _ = decode_body(memoryview(body))
+        if isinstance(reply, Refused):
+            writer.close()
+            raise TransportError(f"{address} refused the connection: {reply.reason}")
+        if not isinstance(reply, ServerHello):
+            writer.close()
+            raise FrameRejected(f"{address} answered the handshake with {type(reply).__name__}")
+        check_version(reply.protocol_version, PROTOCOL_VERSION)
+        key = auth.session_key(self._token, nonce, reply.nonce)
+        return TcpConnection(reader, writer, key, True, address, self.max_frame_bytes, self.stats)
+
+    async def listen(self, address: str, on_connection: Callable[[TcpConnection], Awaitable[None]]) -> TcpListener:
+        host, port = split_address(address)
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            peername = writer.get_extra_info("peername")
+            peer = f"{peername[0]}:{peername[1]}" if peername else "?"
+            _nodelay(writer)
+            try:
+                conn = await asyncio.wait_for(self._server_handshake(reader, writer, peer), self.handshake_timeout_s)
+            except (TransportError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+                reason = str(e) or "handshake timed out"
+                log.warning("refused connection from %s: %s", peer, reason)
+                self.stats.note_rejected("handshake")
+                if self._on_reject:
+                    self._on_reject(peer, reason)
+                writer.close()
+                return
+            try:
+                await on_connection(conn)
+            finally:
+                if conn.close_reason and conn.close_reason not in ("closed", "peer closed the connection") and self._on_reject:
+                    self._on_reject(peer, conn.close_reason)
+                conn.close()
+
+        server = await asyncio.start_server(handle, host, port)
+        bound = server.sockets[0].getsockname()
+        return TcpListener(server, f"{bound[0]}:{bound[1]}")
+
+    async def _server_handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                peer: str) -> TcpConnection:
+        mac, body = await read_frame(reader, self.max_frame_bytes)
+        if not auth.macs_equal(mac, auth.handshake_mac(self._token, body)):
+            raise AuthError("handshake frame failed HMAC verification (wrong cluster token)")
+        hello, _ = decode_body(memoryview(body))
+        if not isinstance(hello, ClientHello):
+            raise FrameRejected(f"first frame was {type(hello).__name__}, expected ClientHello")
+        try:
+            check_version(hello.protocol_version, PROTOCOL_VERSION)
+        except TransportError as e:
+            await _send_handshake(writer, self._token, Refused(reason=str(e)))
+            raise
+        nonce = auth.new_nonce()
+        await _send_handshake(writer, self._token, ServerHello(protocol_version=PROTOCOL_VERSION, nonce=nonce))
+        key = auth.session_key(self._token, hello.nonce, nonce)
+        return TcpConnection(reader, writer, key, False, f"{hello.client}@{peer}", self.max_frame_bytes, self.stats)
+
+
+async def _send_handshake(writer: asyncio.StreamWriter, token: bytes, message: Any) -> None:
+    parts = encode_body(message)
+    body = b"".join(bytes(p) for p in parts)
+    writer.write(LEN.pack(len(body)) + auth.handshake_mac(token, body) + body)
+    await writer.drain()
+
+
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass

@@ -1,0 +1,54 @@
+"""The bundled training script: a char-level transformer trained through the public API.
+
+Run under ``phalanx launch --workers N -- python -m phalanx.workload.charlm_train --steps S``; this
+is exactly what ``phalanx train`` does. It is also the example of how a user's loop changes: the
+four marked lines are all that differ from a single-process loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import phalanx
+from phalanx.workload.corpus import CharDataset, CharVocab, load_corpus
+from phalanx.workload.model import CharLMConfig, build_model, build_optimizer, loss_fn
+
+
+def build(context_len: int = 64, seed: int = 0, global_batch_size: int = 32) -> tuple[CharLMConfig, CharDataset]:
+    text = load_corpus()
+    vocab = CharVocab.from_text(text)
+    cfg = CharLMConfig(vocab_size=len(vocab), context_len=context_len, seed=seed, global_batch_size=global_batch_size)
+    return cfg, CharDataset(text, vocab, context_len)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--global-batch-size", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg, data = build(seed=args.seed, global_batch_size=args.global_batch_size)
+    model = build_model(cfg)
+    optimizer = build_optimizer(model, cfg)
+
+    job = phalanx.join()                                          # phalanx line 1
+    job.track(model=model, optimizer=optimizer)                   # phalanx line 2
+    for step in job.steps(args.steps):                            # phalanx line 3
+        idx = step.shard(len(data), cfg.global_batch_size)        # phalanx line 4
+        x, y = data.batch(idx)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        step.allreduce_gradients(model, loss=loss)                # phalanx line 5
+        optimizer.step()
+        optimizer.zero_grad()
+    job.save_final(f"final_{job.worker_id}")
+    (job.run_dir / "workers" / f"{job.worker_id}.counters.json").write_text(json.dumps(vars(job.counters)))
+    job.close()
+
+
+if __name__ == "__main__":
+    main()
