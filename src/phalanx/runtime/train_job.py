@@ -38,6 +38,8 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     plan = opts.fault_plan or EMPTY_PLAN
     plan.validate_workers(opts.workers)
     plan.require_supported("real")
+    if opts.resume:
+        _supersede_after_checkpoint(opts.run_dir)
     argv = python_argv("phalanx.workload.charlm_train", "--steps", str(opts.steps), "--seed", str(opts.seed),
                        "--global-batch-size", str(opts.global_batch_size))
     res = launch(LaunchConfig(argv=argv, workers=opts.workers, run_dir=opts.run_dir, fault_plan=plan,
@@ -55,6 +57,24 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     return summary
 
 
+def _supersede_after_checkpoint(run_dir: Path) -> None:
+    """Steps committed after the newest checkpoint died with every worker: they are redone on
+    resume, so their records move to metrics.superseded.jsonl and the accounting counts each once."""
+    from phalanx.checkpoint.durable import latest_checkpoint
+
+    found = latest_checkpoint(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if found is None or not path.exists():
+        return
+    keep, gone = [], []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            (keep if json.loads(line)["step"] <= found[1] else gone).append(line)
+    path.write_text("".join(x + "\n" for x in keep))
+    with open(run_dir / "metrics.superseded.jsonl", "a") as f:
+        f.writelines(x + "\n" for x in gone)
+
+
 def summarise(opts: TrainOptions, res: LaunchResult) -> dict[str, Any]:
     commits = _all_commits(opts.run_dir) if opts.resume else [
         {"step": c.step, "samples_covered_once": c.covered_once, "loss": c.loss} for c in res.commits]
@@ -63,7 +83,7 @@ def summarise(opts: TrainOptions, res: LaunchResult) -> dict[str, Any]:
         "reason": res.reason,
         "workers": opts.workers,
         "steps": opts.steps,
-        "steps_committed": len(res.commits),
+        "steps_committed": len(commits),
         "steps_retried": res.steps_retried,
         "faults": res.faults,
         "samples_exactly_once": samples_exactly_once(commits, opts),

@@ -1,0 +1,63 @@
+"""Real worker processes on loopback, real SIGKILL / SIGSTOP / held GIL. Each test ends with the
+strict-equivalence and exactly-once checks against the single-process reference."""
+
+import pytest
+
+from tests.integration.conftest import assert_strict, events, train
+
+
+def _suspected(run_dir, worker):
+    return [e for e in events(run_dir) if e["event"] == "worker_suspected" and e["worker"] == worker]
+
+
+def test_fault_free_run_matches_reference_with_no_false_suspicions(tmp_path):
+    s = train(tmp_path, workers=3, steps=30)
+    assert_strict(s)
+    assert s["false_suspicions"] == 0 and s["steps_retried"] == 0
+
+
+def test_sigkill_mid_allreduce_is_survived_and_the_restarted_worker_heals(tmp_path):
+    plan = '[[fault]]\nkind = "kill"\nworker = 1\nat_step = 12\nphase = "allreduce"\nrestart = true\n'
+    s = train(tmp_path, plan, workers=3, steps=40)
+    assert_strict(s)
+    f = s["faults"][0]
+    assert f["detected_after_s"] is not None and f["recovered_after_s"] is not None
+    evs = events(tmp_path / "run")
+    assert any(e["event"] == "worker_restarted" and e["worker"] == "w1" for e in evs)
+    assert any(e["event"] == "worker_healed" and e["worker"] == "w1" for e in evs)
+
+
+def test_sigstop_frozen_worker_leaves_the_quorum_and_rejoins_after_thaw(tmp_path):
+    plan = '[[fault]]\nkind = "freeze"\nworker = 2\nat_step = 10\nfor_s = 2.0\n'
+    s = train(tmp_path, plan, workers=3, steps=40)
+    assert_strict(s)
+    assert _suspected(tmp_path / "run", "w2")
+    assert s["faults"][0]["detected_after_s"] < 1.5
+
+
+def test_worker_holding_the_gil_is_detected_by_its_silent_heartbeats(tmp_path):
+    plan = '[[fault]]\nkind = "gil_hang"\nworker = 1\nat_step = 10\nfor_s = 2.0\n'
+    s = train(tmp_path, plan, workers=3, steps=40)
+    assert_strict(s)
+    sus = _suspected(tmp_path / "run", "w1")
+    assert sus and sus[0]["reason"].startswith("no heartbeat")
+
+
+def test_two_worker_job_survives_a_hang_of_one_worker(tmp_path):
+    # torchft blocks here (and exits at its quorum timeout); phalanx evicts the hung worker
+    plan = '[[fault]]\nkind = "hang"\nworker = 1\nat_step = 8\nfor_s = 6.0\n'
+    s = train(tmp_path, plan, workers=2, steps=40)
+    assert_strict(s)
+    sus = _suspected(tmp_path / "run", "w1")
+    assert sus and sus[0]["reason"].startswith("no step progress")
+    solo = [e for e in events(tmp_path / "run") if e["event"] == "step_committed" and e["members"] == ["w0"]]
+    assert solo, "the healthy worker kept committing on its own"
+
+
+def test_kill_every_worker_then_resume_reaches_the_same_parameters(tmp_path):
+    plan = "".join(f'[[fault]]\nkind = "kill"\nworker = {w}\nat_step = 25\nrestart = false\n' for w in range(3))
+    first = train(tmp_path, plan, workers=3, steps=40, checkpoint_every_steps=10, name="job")
+    assert not first["ok"]
+    assert 20 <= first["steps_committed"] < 40
+    resumed = train(tmp_path, workers=3, steps=40, checkpoint_every_steps=10, name="job", resume=True)
+    assert_strict(resumed)

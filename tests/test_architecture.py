@@ -1,0 +1,81 @@
+"""Layering and safety rules of docs/ARCHITECTURE.md, checked on the source itself."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "phalanx"
+
+# layer -> layers it may import (besides itself and the package root)
+ALLOWED = {
+    "core": set(),
+    "faults": {"core"},
+    "transport": {"core"},
+    "membership": {"core"},
+    "collectives": {"core"},
+    "checkpoint": {"core"},
+    "obs": {"core", "faults"},
+    "train": {"core", "collectives", "checkpoint", "transport", "membership"},
+    "sim": {"core", "faults", "membership", "collectives", "checkpoint", "train", "obs"},
+    "workload": {"core", "train"},
+    "runtime": {"core", "faults", "transport", "membership", "collectives", "checkpoint", "train", "obs",
+                "workload", "sim"},
+    "bench": {"core", "faults", "transport", "membership", "collectives", "checkpoint", "train", "obs",
+              "workload", "runtime", "sim"},
+    "cli": {"core", "faults", "runtime", "obs", "sim", "checkpoint", "train", "workload"},
+}
+NO_TORCH = {"core", "faults", "transport", "membership"}
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, node.lineno))
+    return out
+
+
+def test_every_layer_is_known():
+    layers = {p.name for p in SRC.iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert layers <= set(ALLOWED), layers - set(ALLOWED)
+
+
+def test_imports_point_down_only():
+    bad = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC)
+        if len(rel.parts) < 2:
+            continue
+        layer = rel.parts[0]
+        for name, line in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "phalanx" and len(parts) > 1 and parts[1] != layer and parts[1] in ALLOWED:
+                if parts[1] not in ALLOWED[layer]:
+                    bad.append(f"{rel}:{line} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_protocol_layers_do_not_import_torch():
+    bad = [f"{p.relative_to(SRC)}:{line}" for p in SRC.rglob("*.py") if p.relative_to(SRC).parts[0] in NO_TORCH
+           for name, line in _imports(p) if name.split(".")[0] == "torch"]
+    assert not bad, bad
+
+
+def test_nothing_is_unpickled_or_executed_from_data():
+    bad = []
+    for p in SRC.rglob("*.py"):
+        text = p.read_text()
+        for needle in ("import pickle", "pickle.load", "torch.load(", "eval(", "exec(", "marshal.load"):
+            if needle in text:
+                bad.append(f"{p.relative_to(SRC)}: {needle}")
+    assert not bad, bad
+
+
+def test_protocol_code_does_not_reach_for_the_wall_clock_or_threads():
+    """Coordinator and worker agent get time, randomness and I/O from the Host seam only."""
+    for rel in ("membership/coordinator.py", "membership/quorum.py", "membership/failure_detector.py",
+                "train/worker_agent.py"):
+        names = {n for n, _ in _imports(SRC / rel)}
+        assert not names & {"time", "threading", "socket", "random", "subprocess", "os.path"}, (rel, names)
