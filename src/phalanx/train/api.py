@@ -65,7 +65,7 @@ class Step:
         """This worker's sample indices of this step's fixed global batch."""
         offset, count = sharding.shard_bounds(global_batch_size, self.rank, self.world_size)
         gb = sharding.global_batch(self.number, dataset_size, global_batch_size, self._job.data_seed)
-        idx = np.asarray(gb[offset : offset + count])
+        idx = np.array(gb[offset : offset + count])
         self._shard = (offset, count, idx, global_batch_size, dataset_size)
         return idx
 
