@@ -5,6 +5,10 @@ import pytest
 
 from tests.integration.conftest import assert_strict, events, train
 
+# Steps are paced to >= 80 ms (emulated compute) so a restarted or thawed worker rejoins while the
+# job still runs, even on a loaded 2-core CI machine; the model and the reference are unchanged.
+PACE = {"min_step_s": 0.08}
+
 
 def _suspected(run_dir, worker):
     return [e for e in events(run_dir) if e["event"] == "worker_suspected" and e["worker"] == worker]
@@ -18,7 +22,7 @@ def test_fault_free_run_matches_reference_with_no_false_suspicions(tmp_path):
 
 def test_sigkill_mid_allreduce_is_survived_and_the_restarted_worker_heals(tmp_path):
     plan = '[[fault]]\nkind = "kill"\nworker = 1\nat_step = 12\nphase = "allreduce"\nrestart = true\n'
-    s = train(tmp_path, plan, workers=3, steps=40)
+    s = train(tmp_path, plan, workers=3, steps=70, **PACE)
     assert_strict(s)
     f = s["faults"][0]
     assert f["detected_after_s"] is not None and f["recovered_after_s"] is not None
@@ -29,7 +33,7 @@ def test_sigkill_mid_allreduce_is_survived_and_the_restarted_worker_heals(tmp_pa
 
 def test_sigstop_frozen_worker_leaves_the_quorum_and_rejoins_after_thaw(tmp_path):
     plan = '[[fault]]\nkind = "freeze"\nworker = 2\nat_step = 10\nfor_s = 2.0\n'
-    s = train(tmp_path, plan, workers=3, steps=40)
+    s = train(tmp_path, plan, workers=3, steps=60, **PACE)
     assert_strict(s)
     assert _suspected(tmp_path / "run", "w2")
     assert s["faults"][0]["detected_after_s"] < 1.5
@@ -37,7 +41,7 @@ def test_sigstop_frozen_worker_leaves_the_quorum_and_rejoins_after_thaw(tmp_path
 
 def test_worker_holding_the_gil_is_detected_by_its_silent_heartbeats(tmp_path):
     plan = '[[fault]]\nkind = "gil_hang"\nworker = 1\nat_step = 10\nfor_s = 2.0\n'
-    s = train(tmp_path, plan, workers=3, steps=40)
+    s = train(tmp_path, plan, workers=3, steps=60, **PACE)
     assert_strict(s)
     sus = _suspected(tmp_path / "run", "w1")
     assert sus and sus[0]["reason"].startswith("no heartbeat")
@@ -45,8 +49,8 @@ def test_worker_holding_the_gil_is_detected_by_its_silent_heartbeats(tmp_path):
 
 def test_two_worker_job_survives_a_hang_of_one_worker(tmp_path):
     # torchft blocks here (and exits at its quorum timeout); phalanx evicts the hung worker
-    plan = '[[fault]]\nkind = "hang"\nworker = 1\nat_step = 8\nfor_s = 6.0\n'
-    s = train(tmp_path, plan, workers=2, steps=40)
+    plan = '[[fault]]\nkind = "hang"\nworker = 1\nat_step = 8\nfor_s = 4.0\n'
+    s = train(tmp_path, plan, workers=2, steps=60, **PACE)
     assert_strict(s)
     sus = _suspected(tmp_path / "run", "w1")
     assert sus and sus[0]["reason"].startswith("no step progress")
@@ -61,3 +65,15 @@ def test_kill_every_worker_then_resume_reaches_the_same_parameters(tmp_path):
     assert 20 <= first["steps_committed"] < 40
     resumed = train(tmp_path, workers=3, steps=40, checkpoint_every_steps=10, name="job", resume=True)
     assert_strict(resumed)
+
+
+def test_worker_restarted_after_the_job_finished_catches_up_from_the_final_checkpoint(tmp_path):
+    # The job ends (fast, unpaced steps) long before the restarted worker is back: it restores the
+    # final checkpoint instead of stalling, and ends with the same parameters as the others.
+    plan = '[[fault]]\nkind = "kill"\nworker = 2\nat_step = 5\nrestart = true\n'
+    s = train(tmp_path, plan, workers=3, steps=30, checkpoint_every_steps=100)
+    assert_strict(s)
+    evs = events(tmp_path / "run")
+    assert any(e["event"] == "caught_up_after_finish" and e["members"] == ["w2"] for e in evs)
+    assert "w2" in s["reference_max_abs_diff_per_worker"]
+    assert not any(e["event"] == "step_aborted" and e["step"] >= 30 for e in evs)

@@ -74,5 +74,10 @@ class JobFailed(PhalanxError):
     """The job as a whole cannot continue (all workers lost, restarts exhausted, ...)."""
 
 
+class JobOver(PhalanxError):
+    """The coordinator ended this worker's part in the job (it finished while this worker was behind,
+    or it shut down). Not a failure of the job; the worker's state is not the final state."""
+
+
 class StateCorrupt(PhalanxError):
     """Serialized training state failed its checksum or does not decode."""

@@ -55,6 +55,7 @@ class QuorumRequest(_Msg):
     step: int
     last_committed_step: int
     has_state: bool
+    total_steps: int = -1  # the loop's length (-1: unknown); lets the coordinator finish catch-ups
 
 
 class Progress(_Msg):

@@ -96,6 +96,7 @@ class Coordinator:
         self.commits: list[CommitRecord] = []
         self.steps_retried = 0
         self.stall_reason = ""
+        self.total_steps = -1  # the loop's length as workers report it (-1: unknown)
         self.events: list[dict[str, Any]] = []
         self._t0 = host.now()
         self._last_commit_s = host.now()
@@ -192,6 +193,7 @@ class Coordinator:
                 s.suspected = ""
             s.waiting, s.waiting_since_s = True, now
             s.last_committed_step, s.has_state = m.last_committed_step, m.has_state
+            self.total_steps = max(self.total_steps, m.total_steps)
             s.phase = (fd.Phase.REQUESTED, now)
         elif isinstance(m, Progress):
             q = self.quorum
@@ -243,6 +245,8 @@ class Coordinator:
             self._evaluate()
 
     def _evaluate(self) -> None:
+        if self._stopped:
+            return
         now = self.host.now()
         self._detect(now)
         q = self.quorum
@@ -267,7 +271,7 @@ class Coordinator:
                 self._suspect(self.sessions[sus.worker_id], sus.reason)
 
     def _suspect(self, s: WorkerSession, reason: str) -> None:
-        if s.suspected or s.done:
+        if s.suspected or s.done or self._stopped:
             return
         s.suspected, s.waiting = reason, False
         self.emit("worker_suspected", worker=s.worker_id, reason=reason)
@@ -318,6 +322,9 @@ class Coordinator:
         view = QuorumView(self.cluster_step, q.quorum_id if q else 0, q.members if q else (),
                           bool(q and q.intact), self.checkpoint[1], self.checkpoint[0], self.max_id_seen)
         d = decide_quorum(now, views, view, self.cfg.quorum)
+        if d.action is Action.STALL and self._job_finished():
+            self._release_late_workers(d.reason)
+            return
         if d.action is Action.STALL:
             if self.stall_reason != d.reason:
                 self.stall_reason = d.reason
@@ -342,10 +349,28 @@ class Coordinator:
             self._send(s, msg)
         if not (q and q.quorum_id == d.quorum_id):
             self.emit("quorum_formed", quorum_id=d.quorum_id, step=d.step, members=list(d.members), reason=d.reason)
+        if self._job_finished():
+            # A catch-up after the last step: members only restore or heal, there is nothing to commit.
+            self.quorum.decided = True
+            self.emit("caught_up_after_finish", members=list(d.members), step=self.cluster_step)
+
+    def _job_finished(self) -> bool:
+        return self.total_steps > 0 and self.cluster_step >= self.total_steps - 1
+
+    def _release_late_workers(self, why: str) -> None:
+        """The job's last step is committed, but these workers are behind and nothing can catch them
+        up (no checkpoint of the final step): they stop without the final state, and say so."""
+        for s in self._sorted_sessions():
+            if s.healthy and s.waiting:
+                s.waiting = False
+                self._send(s, Shutdown(reason=f"the job finished at step {self.cluster_step} while this worker "
+                                              f"was behind, and {why.split(';')[0]}"))
+                self.emit("late_worker_released", worker=s.worker_id, last_committed_step=s.last_committed_step)
 
     def _checkpoint_writer(self, d: Any) -> str:
         k = self.cfg.checkpoint_every_steps
-        if k <= 0 or (d.step + 1) % k != 0:
+        final = self.total_steps > 0 and d.step == self.total_steps - 1  # lets late workers catch up
+        if k <= 0 or ((d.step + 1) % k != 0 and not final):
             return ""
         return next((w for w in d.members if w not in d.heal_from), d.members[0])
 

@@ -88,7 +88,8 @@ async def _launch(cfg: LaunchConfig) -> LaunchResult:
 
     def on_event(ev: dict[str, Any]) -> None:
         events.append(ev)
-        events_file.write(json.dumps(ev) + "\n")
+        if not events_file.closed:  # late events during shutdown are kept in memory only
+            events_file.write(json.dumps(ev) + "\n")
         if injector is not None:
             injector.on_event(ev)
         progress.on_event(ev)

@@ -29,6 +29,7 @@ class TrainOptions:
     reference: bool = True
     show_progress: bool = True
     global_batch_size: int = 32
+    min_step_s: float = 0.0  # pace steps (emulated compute); the reference is unaffected
 
 
 def run_train(opts: TrainOptions) -> dict[str, Any]:
@@ -41,7 +42,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     if opts.resume:
         _supersede_after_checkpoint(opts.run_dir)
     argv = python_argv("phalanx.workload.charlm_train", "--steps", str(opts.steps), "--seed", str(opts.seed),
-                       "--global-batch-size", str(opts.global_batch_size))
+                       "--global-batch-size", str(opts.global_batch_size), "--min-step-s", str(opts.min_step_s))
     res = launch(LaunchConfig(argv=argv, workers=opts.workers, run_dir=opts.run_dir, fault_plan=plan,
                               restart_failed=True, resume=opts.resume, total_steps=opts.steps,
                               checkpoint_every_steps=opts.checkpoint_every_steps, data_seed=opts.seed,

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ import torch
 
 from phalanx.core.auth import read_token_file
 from phalanx.core.errors import (
-    CollectiveError, ConfigError, CoordinatorLost, HealError, JobFailed, PeerTimeout, PhalanxError,
+    CollectiveError, ConfigError, CoordinatorLost, HealError, JobFailed, JobOver, PeerTimeout, PhalanxError,
     QuorumBroken, StaleEpoch, StateCorrupt,
 )
 from phalanx.core.messages import InjectFault
@@ -95,6 +96,8 @@ class Job:
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.counters = _Counters()
+        self.completed = False  # True once steps() ran to its end holding the final state
+        self.ended_reason = ""
         self._current: Step | None = None
         self._last: Assignment | None = None
         self.faults = InProcessFaults(self)
@@ -134,7 +137,14 @@ class Job:
         step = self.agent.last_committed_step + 1
         try:
             while step < total:
-                a = self._acquire(step)
+                try:
+                    a = self._acquire(step, total)
+                except JobOver as e:
+                    self.ended_reason = str(e)
+                    print(f"phalanx {self.worker_id}: {e}", file=sys.stderr, flush=True)
+                    self._current = None
+                    self._call(self.agent.goodbye(False, str(e)))
+                    return
                 step = a.step
                 if step >= total:
                     break
@@ -153,13 +163,14 @@ class Job:
             self._call(self.agent.goodbye(False, "loop body raised or exited early"))
             raise
         self._current = None
+        self.completed, self.ended_reason = True, "finished"
         self._call(self.agent.goodbye(True, "finished"))
 
-    def _acquire(self, step: int) -> Assignment:
+    def _acquire(self, step: int, total: int = -1) -> Assignment:
         t0 = time.monotonic()
         for _ in range(MAX_ATTEMPTS_PER_STEP):
             try:
-                a = self._call(self.agent.wait_for_quorum(step))
+                a = self._call(self.agent.wait_for_quorum(step, total))
                 self._prepare(a)
                 self._last = a
                 self._spans.add("quorum_wait", t0, step=a.step, quorum_id=a.quorum_id)
@@ -280,11 +291,17 @@ class Job:
                 p.grad = None
         self._spans.event("rolled_back", step=st.number, quorum_id=st.quorum_id, reason=st.failed)
 
-    def save_final(self, name: str = "final") -> Path:
-        """Write this worker's final parameters (raw safetensors) for comparison with a reference."""
+    def save_final(self, name: str = "final") -> Path | None:
+        """Write this worker's final parameters (raw safetensors) for comparison with a reference.
+
+        Writes nothing and returns None when this worker did not end holding the final state (the
+        job finished while it was behind; see ``job.ended_reason``).
+        """
         from phalanx.checkpoint.durable import write_tensors_file
 
         assert self.model is not None
+        if not self.completed:
+            return None
         path = self.run_dir / f"{name}.safetensors"
         write_tensors_file(path, {k: v.detach() for k, v in self.model.state_dict().items()})
         return path

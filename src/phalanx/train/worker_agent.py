@@ -16,7 +16,7 @@ from typing import Any
 
 from phalanx.collectives.process_group import ProcessGroup, ProcessGroupFactory
 from phalanx.core.errors import (
-    CollectiveError, CoordinatorLost, HealError, PeerTimeout, QuorumBroken, StaleEpoch, TransportError,
+    CollectiveError, CoordinatorLost, HealError, JobOver, PeerTimeout, QuorumBroken, StaleEpoch, TransportError,
 )
 from phalanx.core.host import Connection, Host
 from phalanx.core.messages import (
@@ -188,6 +188,9 @@ class WorkerAgent:
                 self._on_fault(m)
         elif isinstance(m, Shutdown):
             self.shutdown_reason = m.reason
+            if self._assignment is not None and not self._assignment.done():
+                self._assignment.set_exception(JobOver(m.reason))
+                self._assignment.exception()  # retrieved by the waiter
 
     def _broken_event(self, quorum_id: int) -> asyncio.Event:
         if quorum_id not in self._broken:
@@ -196,13 +199,13 @@ class WorkerAgent:
         return self._broken[quorum_id]
 
     # ---- the step protocol ----
-    async def wait_for_quorum(self, step: int) -> Assignment:
+    async def wait_for_quorum(self, step: int, total_steps: int = -1) -> Assignment:
         """Ask for a quorum for our next step; returns this member's assignment."""
         if not self.connected:
             await self.reconnect()
         self._assignment = asyncio.get_running_loop().create_future()
         await self._send(QuorumRequest(step=step, last_committed_step=self.last_committed_step,
-                                       has_state=self.has_state))
+                                       has_state=self.has_state, total_steps=total_steps))
         try:
             return await asyncio.wait_for(self._assignment, self.cfg.quorum_timeout_s)
         except asyncio.TimeoutError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--global-batch-size", type=int, default=32)
+    ap.add_argument("--min-step-s", type=float, default=0.0,
+                    help="pace each step to at least this long (emulates a larger model's compute time)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg, data = build(seed=args.seed, global_batch_size=args.global_batch_size)
@@ -42,12 +45,20 @@ def main() -> None:
         x, y = data.batch(idx)
         loss = loss_fn(model(x), y)
         loss.backward()
+        _pace(step, args.min_step_s)
         step.allreduce_gradients(model, loss=loss)                # phalanx line 5
         optimizer.step()
         optimizer.zero_grad()
-    job.save_final(f"final_{job.worker_id}")
+    job.save_final(f"final_{job.worker_id}")  # only if this worker ended holding the final state
     (job.run_dir / "workers" / f"{job.worker_id}.counters.json").write_text(json.dumps(vars(job.counters)))
     job.close()
+
+
+def _pace(step: "phalanx.train.api.Step", min_step_s: float) -> None:
+    if min_step_s > 0:
+        left = min_step_s - (time.monotonic() - step.started_s)
+        if left > 0:
+            time.sleep(left)
 
 
 if __name__ == "__main__":
