@@ -88,10 +88,12 @@ def _form(waiting: list[MemberView], view: QuorumView) -> QuorumDecision:
         if view.checkpoint_step == view.cluster_step and view.checkpoint_path:
             restore = view.checkpoint_path
         else:
+            newest = (f"the newest checkpoint is of step {view.checkpoint_step}" if view.checkpoint_step >= 0
+                      else "there is no checkpoint")
             return QuorumDecision(
                 Action.STALL,
-                f"no live worker holds step {view.cluster_step} and no checkpoint of it exists; "
-                "restart the job with --resume RUN_DIR",
+                f"no live worker holds step {view.cluster_step} and {newest}; "
+                "restart the job with --resume RUN_DIR to continue from the newest checkpoint",
             )
     sources = [m.worker_id for m in current]
     heal_from = {}

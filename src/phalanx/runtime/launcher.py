@@ -28,6 +28,9 @@ from phalanx.transport.real_host import RealHost
 from phalanx.transport.tcp import TcpTransport
 
 
+STALL_GRACE_S = 3.0
+
+
 @dataclass
 class LaunchConfig:
     argv: list[str]
@@ -153,9 +156,11 @@ async def _supervise(cfg: LaunchConfig, sup: Supervisor, coord: Coordinator | No
             if code == 0:
                 continue
             fault_restart = injector is not None and w.index in injector.restart_on_kill
-            if fault_restart:
-                injector.restart_on_kill.discard(w.index)  # type: ignore[union-attr]
-            if sup.may_restart(w, fault_restart):
+            stay_down = injector is not None and w.index in injector.no_restart_on_kill
+            if injector is not None:
+                injector.restart_on_kill.discard(w.index)
+                injector.no_restart_on_kill.discard(w.index)
+            if not stay_down and sup.may_restart(w, fault_restart):
                 sup.restart(w)
                 on_event({"t": now - t0, "mono": now, "node": "launcher", "event": "worker_restarted",
                           "worker": w.worker_id, "restarts": w.restarts})
@@ -166,7 +171,11 @@ async def _supervise(cfg: LaunchConfig, sup: Supervisor, coord: Coordinator | No
             return False, f"every worker has exited without finishing (exit codes {codes}); see {cfg.run_dir}/workers/*.log"
         if coord is not None and coord.stall_reason:
             stalled_since = stalled_since or now
-            if now - stalled_since > cfg.stall_timeout_s:
+            # Waiting helps only if a worker that may still hold the state can come back: when every
+            # local worker is connected (fresh incarnations), nobody can, so fail after a short grace.
+            nobody_missing = sum(1 for s in coord.sessions.values() if s.healthy) >= cfg.workers
+            limit_s = min(cfg.stall_timeout_s, STALL_GRACE_S) if nobody_missing else cfg.stall_timeout_s
+            if now - stalled_since > limit_s:
                 return False, f"no progress for {cfg.stall_timeout_s:.0f} s: {coord.stall_reason}"
         else:
             stalled_since = None

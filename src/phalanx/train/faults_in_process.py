@@ -3,8 +3,8 @@
 SIGKILL and SIGSTOP come from outside (the supervisor); these need the process's cooperation:
 - ``gil_hang``: the training thread holds the GIL for ``for_s`` (a C call through ctypes.PyDLL,
   which does not release it), so even the heartbeat thread stops;
-- ``hang``: the training thread stalls without holding the GIL, so heartbeats go on and only the
-  progress watch can tell;
+- ``hang``: the training thread stalls inside its next step (after compute, before the all-reduce)
+  without holding the GIL, so heartbeats go on and only the progress watch can tell;
 - ``kill`` in phase ``allreduce``: SIGKILL to itself just after its all-reduce has started;
 - ``straggler``: compute is stretched by ``factor`` (the extra time is slept after compute).
 """
@@ -31,6 +31,7 @@ class InProcessFaults:
     def __init__(self, job: Any) -> None:
         self._job = job
         self._pending: InjectFault | None = None
+        self._hang: InjectFault | None = None
         self._kill_at_step: int | None = None
         self._straggle_factor = 1.0
         self._straggle_until_s = 0.0
@@ -42,7 +43,10 @@ class InProcessFaults:
 
     def on_fault(self, fault: InjectFault) -> None:
         """Runs on the control thread."""
-        if fault.kind in ("gil_hang", "hang"):
+        if fault.kind == "hang":
+            with self._lock:
+                self._hang = fault  # taken by the training thread inside its next step
+        elif fault.kind == "gil_hang":
             with self._lock:
                 self._pending = fault
             # Delivered to the training thread itself, so it runs even if that thread is blocked.
@@ -59,13 +63,16 @@ class InProcessFaults:
         if fault is None:
             return
         self._job._spans.event("fault_begin", kind=fault.kind, for_s=fault.for_s)
-        if fault.kind == "gil_hang":
-            hold_gil_for(fault.for_s)
-        else:
-            time.sleep(fault.for_s)
+        hold_gil_for(fault.for_s)
         self._job._spans.event("fault_end", kind=fault.kind)
 
     def before_allreduce(self, step: Any, compute_s: float) -> None:
+        with self._lock:
+            hang, self._hang = self._hang, None
+        if hang is not None:
+            self._job._spans.event("fault_begin", kind="hang", for_s=hang.for_s, step=step.number)
+            time.sleep(hang.for_s)  # in the quorum, short of the all-reduce its peers are waiting in
+            self._job._spans.event("fault_end", kind="hang")
         if self._straggle_factor > 1.0 and time.monotonic() < self._straggle_until_s:
             time.sleep((self._straggle_factor - 1.0) * compute_s)
         at = self._kill_at_step

@@ -1,0 +1,38 @@
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from phalanx.train import sharding
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 7])
+def test_shards_partition_the_global_batch_for_any_world_size(world):
+    gb = sharding.global_batch(17, 1000, 32, seed=3)
+    parts = [sharding.shard(17, 1000, 32, 3, r, world) for r in range(world)]
+    assert np.array_equal(np.concatenate(parts), gb)
+    assert max(len(p) for p in parts) - min(len(p) for p in parts) <= 1
+
+
+def test_every_sample_once_per_epoch_and_epochs_reshuffle():
+    n, gbs = 100, 8
+    spe = sharding.steps_per_epoch(n, gbs)
+    assert spe == 12  # the remainder of 4 samples is dropped each epoch
+    for epoch in range(3):
+        tally = Counter(int(i) for s in range(epoch * spe, (epoch + 1) * spe)
+                        for i in sharding.global_batch(s, n, gbs, 0))
+        assert len(tally) == spe * gbs and set(tally.values()) == {1}
+    assert not np.array_equal(sharding.global_batch(0, n, gbs, 0), sharding.global_batch(spe, n, gbs, 0))
+
+
+def test_the_global_batch_depends_only_on_step_and_seed():
+    a = sharding.global_batch(5, 500, 16, seed=1)
+    assert np.array_equal(a, sharding.global_batch(5, 500, 16, seed=1))
+    assert not np.array_equal(a, sharding.global_batch(5, 500, 16, seed=2))
+
+
+def test_impossible_splits_are_errors():
+    with pytest.raises(ValueError):
+        sharding.shard_bounds(4, 0, 5)
+    with pytest.raises(ValueError):
+        sharding.steps_per_epoch(10, 11)
