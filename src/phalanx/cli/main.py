@@ -20,7 +20,7 @@ def _train(args: argparse.Namespace) -> int:
     summary = run_train(TrainOptions(workers=args.workers, steps=args.steps, seed=args.seed, run_dir=run_dir,
                                      fault_plan=plan, checkpoint_every_steps=args.checkpoint_every,
                                      resume=args.resume, reference=not args.no_reference,
-                                     show_progress=not args.quiet))
+                                     show_progress=not args.quiet, min_step_s=args.min_step_s))
     from phalanx.cli.printing import print_summary
 
     print_summary(summary, run_dir)
@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     t.add_argument("--no-reference", action="store_true", help="skip the single-process reference comparison")
     t.add_argument("--quiet", action="store_true", help="no live progress display")
+    t.add_argument("--min-step-s", type=float, default=0.0,
+                   help="pace each step to at least this many seconds (emulates a larger model; default 0)")
     t.set_defaults(fn=_train)
 
     la = sub.add_parser("launch", help="run a training script on N supervised workers",
