@@ -90,6 +90,7 @@ async def _launch(cfg: LaunchConfig) -> LaunchResult:
     progress = Progress(cfg.workers, cfg.total_steps, enabled=cfg.show_progress)
 
     def on_event(ev: dict[str, Any]) -> None:
+        ev.setdefault("mono", round(time.monotonic(), 6))  # the clock worker span logs use too
         events.append(ev)
         if not events_file.closed:  # late events during shutdown are kept in memory only
             events_file.write(json.dumps(ev) + "\n")
