@@ -97,6 +97,11 @@ class Coordinator:
         self.steps_retried = 0
         self.stall_reason = ""
         self.total_steps = -1  # the loop's length as workers report it (-1: unknown)
+        # Counts refreshed every tick and kept roughly current in between, so a message triggers a
+        # full O(workers) evaluation only when it can complete a decision (thousands of simulated
+        # workers would otherwise cost O(workers^2) per step).
+        self._healthy_n = 0
+        self._waiting_n = 0
         self.events: list[dict[str, Any]] = []
         self._t0 = host.now()
         self._last_commit_s = host.now()
@@ -175,6 +180,7 @@ class Coordinator:
         session = WorkerSession(hello.worker_id, hello.incarnation, conn, hello.pid, hello.heal_address,
                                 now, now, hello.last_committed_step, hello.has_state)
         self.sessions[hello.worker_id] = session
+        self._healthy_n += 1
         self.emit("worker_joined", worker=hello.worker_id, pid=hello.pid, incarnation=hello.incarnation,
                   last_committed_step=hello.last_committed_step)
         return session
@@ -191,16 +197,24 @@ class Coordinator:
             if s.suspected.startswith("no step progress"):
                 self.emit("worker_alive_again", worker=s.worker_id, was=s.suspected)
                 s.suspected = ""
+            if not s.waiting:
+                self._waiting_n += 1
             s.waiting, s.waiting_since_s = True, now
             s.last_committed_step, s.has_state = m.last_committed_step, m.has_state
             self.total_steps = max(self.total_steps, m.total_steps)
             s.phase = (fd.Phase.REQUESTED, now)
+            if self._waiting_n < self._healthy_n:
+                return  # others are still to ask: the ticker or the last request decides (O(1) here)
         elif isinstance(m, Progress):
             q = self.quorum
             if q and m.quorum_id == q.quorum_id and s.worker_id in q.members:
                 s.phase = (fd.Phase.ALLREDUCE, now)
+            return
         elif isinstance(m, AllreduceDone):
             self._on_report(s, m)
+            q = self.quorum
+            if q is not None and m.ok and not q.decided and len(q.reports) < len(q.members):
+                return  # a commit needs every live member; losses are handled where they are noticed
         elif isinstance(m, HealDone):
             s.has_state, s.last_committed_step = True, m.step - 1
             self.emit("worker_healed", worker=s.worker_id, source=m.source, step=m.step, quorum_id=m.quorum_id)
@@ -242,6 +256,9 @@ class Coordinator:
     async def _ticker(self) -> None:
         while not self._stopped:
             await self.host.sleep(self.cfg.tick_s)
+            healthy = [s for s in self.sessions.values() if s.healthy]
+            self._healthy_n = len(healthy)
+            self._waiting_n = sum(1 for s in healthy if s.waiting)
             self._evaluate()
 
     def _evaluate(self) -> None:
@@ -273,6 +290,8 @@ class Coordinator:
     def _suspect(self, s: WorkerSession, reason: str) -> None:
         if s.suspected or s.done or self._stopped:
             return
+        if s.waiting:
+            self._waiting_n -= 1
         s.suspected, s.waiting = reason, False
         self.emit("worker_suspected", worker=s.worker_id, reason=reason)
         q = self.quorum
@@ -338,13 +357,17 @@ class Coordinator:
         self.quorum = CurrentQuorum(d.quorum_id, d.step, d.members, now)
         self.max_id_seen = max(self.max_id_seen, d.quorum_id)
         writer = self._checkpoint_writer(d)
+        self._waiting_n = max(0, self._waiting_n - len(d.members))
+        heal_targets: dict[str, list[str]] = {}
+        for t in sorted(d.heal_from):
+            heal_targets.setdefault(d.heal_from[t], []).append(t)
         for rank, w in enumerate(d.members):
             s = self.sessions[w]
             s.waiting, s.phase = False, (fd.Phase.ASSIGNED, now)
             src = d.heal_from.get(w, "")
             msg = QuorumAssigned(step=d.step, quorum_id=d.quorum_id, members=list(d.members), rank=rank,
                                  heal_from=src, heal_address=self.sessions[src].heal_address if src else "",
-                                 heal_targets=sorted(t for t, f in d.heal_from.items() if f == w),
+                                 heal_targets=heal_targets.get(w, []),
                                  restore_checkpoint=d.restore_checkpoint, write_checkpoint=(w == writer))
             self._send(s, msg)
         if not (q and q.quorum_id == d.quorum_id):
