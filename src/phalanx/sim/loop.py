@@ -44,6 +44,15 @@ class VirtualTimeLoop(asyncio.BaseEventLoop):  # type: ignore[misc]
         self._selector = _VirtualSelector(self)
         self._clock_resolution = 1e-9
         self.timer_events = 0  # timers fired: the simulator's unit of work
+        self.errors: list[str] = []  # unhandled task errors (other than cancellation at teardown)
+        self.set_exception_handler(self._on_error)
+
+    def _on_error(self, loop: Any, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, asyncio.CancelledError):
+            return
+        if len(self.errors) < 20:
+            self.errors.append(f"{context.get('message', '')}: {exc!r}")
 
     def time(self) -> float:
         return self._vt

@@ -40,6 +40,7 @@ class WorkerConfig:
     heal_timeout_s: float = 60.0
     reconnect_timeout_s: float = 30.0
     heal_chunk_bytes: int = 16 * 1024 * 1024
+    pid: int = 0  # reported in Hello; 0: this process's pid (the simulator passes a virtual one)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class WorkerAgent:
 
     async def _connect(self) -> None:
         conn = await self.host.transport.connect(self.cfg.coordinator_address, self.cfg.connect_timeout_s)
-        await conn.send(Hello(worker_id=self.cfg.worker_id, incarnation=self.incarnation, pid=os.getpid(),
+        await conn.send(Hello(worker_id=self.cfg.worker_id, incarnation=self.incarnation, pid=self.cfg.pid or os.getpid(),
                               heal_address=self.heal_address, last_committed_step=self.last_committed_step,
                               max_quorum_id_seen=self.max_quorum_id_seen, has_state=self.has_state))
         welcome, _ = await asyncio.wait_for(conn.recv(), self.cfg.connect_timeout_s)

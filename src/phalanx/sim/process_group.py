@@ -1,0 +1,126 @@
+"""Simulated process groups: the ProcessGroup seam with alpha-beta collective costs.
+
+A group is the members of one quorum id. An all-reduce completes when every member has entered
+it, at the last arrival plus the closed-form cost of a ring (or tree) all-reduce, constant work
+per collective, so thousands of ranks are cheap. A member that never arrives (crashed, frozen,
+hung) or sits across a partition makes everyone else's collective fail at its deadline, as a real
+Gloo/NCCL one does. Tensors are summed for real (numpy), in rank order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from phalanx.core.errors import CollectiveError
+from phalanx.sim.network import SimNetwork, SimNode
+
+
+@dataclass(frozen=True)
+class CollectiveModel:
+    algorithm: str = "ring"  # ring | tree
+    alpha_s: float = 20e-6  # per-message latency term
+    beta_s_per_byte: float = 1 / 1.25e9  # inverse bandwidth
+
+    def allreduce_s(self, world: int, nbytes: int) -> float:
+        if world <= 1:
+            return 0.0
+        if self.algorithm == "tree":
+            return 2 * math.ceil(math.log2(world)) * (self.alpha_s + nbytes * self.beta_s_per_byte)
+        return 2 * (world - 1) * self.alpha_s + 2 * (world - 1) / world * nbytes * self.beta_s_per_byte
+
+
+@dataclass
+class _Op:
+    arrivals: dict[int, tuple[np.ndarray, SimNode, int, asyncio.Future[None]]] = field(default_factory=dict)
+    last_arrival_s: float = 0.0
+
+
+class _Group:
+    def __init__(self, quorum_id: int, world: int) -> None:
+        self.quorum_id, self.world = quorum_id, world
+        self.ops: dict[int, _Op] = {}
+
+
+class SimProcessGroupFactory:
+    """One per cluster; every node's factory view shares the rendezvous table."""
+
+    def __init__(self, net: SimNetwork, model: CollectiveModel) -> None:
+        self.net, self.model = net, model
+        self._groups: dict[int, _Group] = {}
+        self.collectives = 0
+
+    def for_node(self, node: SimNode) -> "_NodeFactory":
+        return _NodeFactory(self, node)
+
+    def group(self, quorum_id: int, world: int) -> _Group:
+        g = self._groups.get(quorum_id)
+        if g is None or g.world != world:
+            g = self._groups[quorum_id] = _Group(quorum_id, world)
+            for old in [q for q in self._groups if q < quorum_id - 4]:
+                del self._groups[old]  # bounded: old epochs are never used again
+        return g
+
+
+class _NodeFactory:
+    def __init__(self, shared: SimProcessGroupFactory, node: SimNode) -> None:
+        self.shared, self.node = shared, node
+
+    async def create(self, quorum_id: int, rank: int, world_size: int, timeout_s: float) -> "SimProcessGroup":
+        await asyncio.sleep(self.shared.model.alpha_s * 2)  # rendezvous through the store
+        return SimProcessGroup(self.shared, self.node, quorum_id, rank, world_size)
+
+
+class SimProcessGroup:
+    def __init__(self, shared: SimProcessGroupFactory, node: SimNode, quorum_id: int, rank: int, world: int) -> None:
+        self.shared, self.node = shared, node
+        self.quorum_id, self.rank, self.world_size = quorum_id, rank, world
+        self._seq = 0
+        self._abandoned = False
+
+    async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
+        if self._abandoned:
+            raise CollectiveError(f"process group of quorum {self.quorum_id} was abandoned")
+        if self.world_size == 1:
+            return
+        loop = asyncio.get_running_loop()
+        g = self.shared.group(self.quorum_id, self.world_size)
+        seq, self._seq = self._seq, self._seq + 1
+        op = g.ops.setdefault(seq, _Op())
+        fut: asyncio.Future[None] = loop.create_future()
+        op.arrivals[self.rank] = (tensor, self.node, self.node.incarnation, fut)
+        op.last_arrival_s = loop.time()
+        if len(op.arrivals) == self.world_size:
+            self._complete(g, seq, op)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError as e:
+            self._abandoned = True
+            raise CollectiveError(f"all-reduce of quorum {self.quorum_id} passed its {timeout_s:.1f} s deadline "
+                                  f"({len(op.arrivals)} of {self.world_size} ranks arrived)") from e
+
+    def _complete(self, g: _Group, seq: int, op: _Op) -> None:
+        del g.ops[seq]
+        members = [op.arrivals[r] for r in range(self.world_size)]
+        sides = {n.side for _, n, _, _ in members}
+        if len(sides) > 1 or any(not n.alive or inc != n.incarnation for _, n, inc, _ in members):
+            return  # across a partition or with a dead rank: nobody completes; deadlines fire
+        total = np.sum(np.stack([t for t, _, _, _ in members]), axis=0)
+        nbytes = members[0][0].nbytes
+        self.shared.collectives += 1
+        loop = asyncio.get_running_loop()
+        done_at = op.last_arrival_s + self.shared.model.allreduce_s(self.world_size, nbytes)
+
+        def finish() -> None:
+            for t, n, inc, fut in members:
+                if n.alive and inc == n.incarnation and not fut.done():
+                    t[...] = total
+                    fut.set_result(None)
+        loop.call_at(done_at, finish)
+
+    def abandon(self) -> None:
+        self._abandoned = True

@@ -1,0 +1,60 @@
+"""The simulated workers' model: a small linear regression trained with SGD in numpy.
+
+Real arithmetic, so the invariants are real: every worker that commits step s holds bit-identical
+parameters, and the run can be compared with a single-process reference. The gradient of a shard is
+pre-scaled by shard/global batch, so the all-reduced sum is the global-batch mean gradient.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from phalanx.train import sharding
+
+
+@dataclass(frozen=True)
+class SimModelConfig:
+    features: int = 16
+    dataset_size: int = 4096
+    global_batch_size: int = 256
+    lr: float = 0.05
+    seed: int = 0
+
+
+class RegressionData:
+    def __init__(self, cfg: SimModelConfig) -> None:
+        rng = np.random.Generator(np.random.PCG64(cfg.seed))
+        self.cfg = cfg
+        self.x = rng.standard_normal((cfg.dataset_size, cfg.features))
+        w_true = rng.standard_normal(cfg.features)
+        self.y = self.x @ w_true + 0.1 * rng.standard_normal(cfg.dataset_size)
+
+    def initial_params(self) -> np.ndarray:
+        return np.zeros(self.cfg.features)
+
+    def shard_gradient(self, w: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, float]:
+        """(gradient, loss) contributions of these samples, each scaled by 1/global batch."""
+        gbs = self.cfg.global_batch_size
+        xs, ys = self.x[idx], self.y[idx]
+        err = xs @ w - ys
+        return (2.0 / gbs) * (xs.T @ err), float(err @ err) / gbs
+
+
+def params_digest(w: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest()[:16]
+
+
+def reference_params(cfg: SimModelConfig, steps: int) -> tuple[np.ndarray, list[float]]:
+    """Single-process training over the same global batches."""
+    data = RegressionData(cfg)
+    w = data.initial_params()
+    losses = []
+    for s in range(steps):
+        idx = sharding.global_batch(s, cfg.dataset_size, cfg.global_batch_size, cfg.seed)
+        g, loss = data.shard_gradient(w, idx)
+        w = w - cfg.lr * g
+        losses.append(loss)
+    return w, losses
