@@ -75,6 +75,8 @@ class VirtualTimeLoop(asyncio.BaseEventLoop):  # type: ignore[misc]
                 continue
             h._scheduled = False
             due.append(h)
+            if h._when > self._vt:
+                self._vt = h._when  # within clock resolution: a due timer never runs before its time
         if len(due) > 1:
             self.rng.shuffle(due)
         self.timer_events += len(due)
