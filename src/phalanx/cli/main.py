@@ -120,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     tk = sub.add_parser("token", help="print a fresh cluster token (save it to a file readable only by you)")
     tk.set_defaults(fn=_token)
-    from phalanx.cli import extra
+    from phalanx.cli import extra, sim_cmd
 
+    sim_cmd.register(sub)
     extra.register(sub)
     return p
 

@@ -29,7 +29,7 @@ WORKER_KINDS = frozenset({FaultKind.KILL, FaultKind.FREEZE, FaultKind.GIL_HANG, 
 NETWORK_KINDS = frozenset({FaultKind.PARTITION, FaultKind.LATENCY, FaultKind.LOSS, FaultKind.BANDWIDTH})
 SUPPORTED: dict[str, frozenset[FaultKind]] = {
     "real": WORKER_KINDS,
-    "sim": frozenset(FaultKind),
+    "sim": frozenset(FaultKind) - {FaultKind.COORDINATOR_KILL},
 }
 # key -> (required for kinds, allowed for kinds)
 _COMMON = {"kind", "at_step", "at_s", "worker", "note"}

@@ -136,7 +136,8 @@ def decide_commit(members: Sequence[str], live: Sequence[str], reports: dict[str
             return Verdict.ABORT, f"{wid} reported: {r.error or 'all-reduce failed'}"
         if not r.covered_once:
             return Verdict.ABORT, f"{wid}: the global batch was not covered exactly once"
-    live_members = [w for w in members if w in live]
+    live_set = set(live)
+    live_members = [w for w in members if w in live_set]
     missing = [w for w in live_members if w not in reports]
     if missing:
         if not live_members:

@@ -106,7 +106,10 @@ class Cluster:
                 self._violate(f"quorum id went back from {self._last_qid} to {qid}")
             self._last_qid = max(self._last_qid, qid)
         elif kind == "step_committed":
-            self._committed[ev["step"]] = (ev["quorum_id"], set(ev["members"]))
+            qid, members = ev["quorum_id"], tuple(ev["members"])
+            if self._quorum_members.setdefault(qid, members) != members:
+                self._violate(f"quorum id {qid} was used by two different member sets")
+            self._committed[ev["step"]] = (qid, set(members))
         for r in self._records:
             if r.detected_after_s is None and kind == "worker_suspected" and ev.get("worker") in r.targets:
                 r.detected_after_s = self._loop.time() - r.injected_s

@@ -92,7 +92,8 @@ class SimNetwork:
         """Every task inherits its creator's node, so a crash can cancel all of a node's tasks."""
         def factory(loop: Any, coro: Any, **kw: Any) -> asyncio.Task[Any]:
             task = asyncio.Task(coro, loop=loop, **kw)
-            node = (kw.get("context") or contextvars.copy_context()).get(_current_node)
+            ctx = kw.get("context")
+            node = ctx.get(_current_node) if ctx is not None else _current_node.get()
             if node is not None:
                 node.tasks.add(task)
                 task.add_done_callback(node.tasks.discard)

@@ -1,0 +1,124 @@
+"""Random fault schedules over many seeds, with invariant checks, a liveness bound, replay commands
+and shrinking of a failing schedule to a minimal one that still fails."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from phalanx.faults.plan import FaultPlan, parse_fault_plan
+from phalanx.sim.cluster import Cluster, SimResult
+
+KINDS = ("kill", "freeze", "hang", "partition", "loss", "latency", "straggler", "gil_hang")
+
+
+def random_schedule(seed: int, workers: int, steps: int, max_faults: int = 4) -> list[dict[str, object]]:
+    """A seeded list of faults; every fault ends (timed, or a kill with restart), so the cluster must
+    make progress again afterwards: that is the liveness phase."""
+    rng = random.Random(f"sweep:{seed}")
+    faults: list[dict[str, object]] = []
+    for _ in range(rng.randint(1, max_faults)):
+        kind = rng.choice(KINDS)
+        f: dict[str, object] = {"kind": kind, "at_step": rng.randint(1, max(1, steps - 5))}
+        if kind in ("kill", "freeze", "hang", "straggler", "gil_hang"):
+            f["worker"] = rng.randrange(workers)
+        if kind in ("freeze", "hang", "gil_hang", "partition", "loss", "latency", "straggler"):
+            f["for_s"] = round(rng.uniform(0.3, 4.0), 2)
+        if kind == "partition":
+            if rng.random() < 0.5:
+                f["isolate"] = rng.randrange(workers)
+            else:
+                cut = rng.randint(1, max(1, workers // 2))
+                f["groups"] = [list(range(cut, workers)), list(range(cut))]  # minority cut from the coordinator
+        elif kind == "loss":
+            f["probability"] = round(rng.uniform(0.005, 0.05), 3)
+        elif kind == "latency":
+            f["mean_ms"] = round(rng.uniform(1, 30), 1)
+            f["jitter_ms"] = round(rng.uniform(0, 10), 1)
+        elif kind == "straggler":
+            f["factor"] = round(rng.uniform(1.5, 4.0), 2)
+        faults.append(f)
+    return faults
+
+
+def schedule_toml(faults: list[dict[str, object]]) -> str:
+    out = []
+    for f in faults:
+        out.append("[[fault]]")
+        for k, v in f.items():
+            out.append(f"{k} = {_toml(v)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml(v: object) -> str:
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return str(v)
+
+
+@dataclass
+class SeedOutcome:
+    seed: int
+    ok: bool
+    reason: str
+    faults: list[dict[str, object]]
+    result: SimResult | None = None
+    shrunk: list[dict[str, object]] | None = None
+    plan_path: str = ""
+
+
+def run_schedule(seed: int, workers: int, steps: int, faults: list[dict[str, object]]) -> SimResult:
+    plan = parse_fault_plan(schedule_toml(faults), f"<sweep seed {seed}>")
+    return Cluster(workers=workers, steps=steps, seed=seed, plan=plan, max_virtual_s=steps * 5.0 + 300).run()
+
+
+def shrink(seed: int, workers: int, steps: int, faults: list[dict[str, object]],
+           still_fails: Callable[[list[dict[str, object]]], bool] | None = None) -> list[dict[str, object]]:
+    """Greedy delta debugging: drop one fault at a time while the run still fails."""
+    fails = still_fails or (lambda fs: not run_schedule(seed, workers, steps, fs).ok)
+    current = list(faults)
+    changed = True
+    while changed and len(current) > 1:
+        changed = False
+        for i in range(len(current)):
+            trial = current[:i] + current[i + 1 :]
+            if fails(trial):
+                current, changed = trial, True
+                break
+    return current
+
+
+def sweep(seeds: range, workers: int, steps: int, out_dir: Path,
+          on_seed: Callable[[SeedOutcome], None] | None = None) -> list[SeedOutcome]:
+    outcomes = []
+    for seed in seeds:
+        faults = random_schedule(seed, workers, steps)
+        res = run_schedule(seed, workers, steps, faults)
+        o = SeedOutcome(seed, res.ok, res.reason, faults, res)
+        if not res.ok:
+            o.shrunk = shrink(seed, workers, steps, faults)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            path = out_dir / f"seed-{seed}.toml"
+            path.write_text(f"# sweep seed {seed}: {res.reason}\n" + schedule_toml(o.shrunk))
+            o.plan_path = str(path)
+        outcomes.append(o)
+        if on_seed:
+            on_seed(o)
+    return outcomes
+
+
+def replay_command(o: SeedOutcome, workers: int, steps: int) -> str:
+    return f"phalanx sim run --workers {workers} --steps {steps} --seed {o.seed} --fault-plan {o.plan_path}"
+
+
+def plan_from_file(path: str) -> FaultPlan:
+    from phalanx.faults.plan import load_fault_plan
+
+    return load_fault_plan(path)
