@@ -69,6 +69,7 @@ class CurrentQuorum:
     decided: bool = False
     reports: dict[str, Report] = field(default_factory=dict)
     losses: dict[str, float] = field(default_factory=dict)
+    member_set: frozenset[str] = frozenset()  # for O(1) membership checks per message
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ class Coordinator:
                 return  # others are still to ask: the ticker or the last request decides (O(1) here)
         elif isinstance(m, Progress):
             q = self.quorum
-            if q and m.quorum_id == q.quorum_id and s.worker_id in q.members:
+            if q and m.quorum_id == q.quorum_id and s.worker_id in q.member_set:
                 s.phase = (fd.Phase.ALLREDUCE, now)
             return
         elif isinstance(m, AllreduceDone):
@@ -230,7 +231,7 @@ class Coordinator:
 
     def _on_report(self, s: WorkerSession, m: AllreduceDone) -> None:
         q = self.quorum
-        if q is None or m.quorum_id != q.quorum_id or m.step != q.step or q.decided or s.worker_id not in q.members:
+        if q is None or m.quorum_id != q.quorum_id or m.step != q.step or q.decided or s.worker_id not in q.member_set:
             # Fencing: an outcome from an older epoch never counts; tell the sender to roll back.
             self._send(s, StepDecision(step=m.step, quorum_id=m.quorum_id, commit=False,
                                                              reason="stale quorum id: step fenced"))
@@ -295,7 +296,7 @@ class Coordinator:
         s.suspected, s.waiting = reason, False
         self.emit("worker_suspected", worker=s.worker_id, reason=reason)
         q = self.quorum
-        if q is not None and s.worker_id in q.members:
+        if q is not None and s.worker_id in q.member_set:
             q.intact = False
             if not q.decided:
                 live = [w for w in q.members if self.sessions[w].healthy]
@@ -354,7 +355,7 @@ class Coordinator:
             return
         self.stall_reason = ""
         assert q is None or d.quorum_id >= q.quorum_id, "quorum ids never decrease"
-        self.quorum = CurrentQuorum(d.quorum_id, d.step, d.members, now)
+        self.quorum = CurrentQuorum(d.quorum_id, d.step, d.members, now, member_set=frozenset(d.members))
         self.max_id_seen = max(self.max_id_seen, d.quorum_id)
         writer = self._checkpoint_writer(d)
         self._waiting_n = max(0, self._waiting_n - len(d.members))

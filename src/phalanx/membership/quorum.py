@@ -98,7 +98,8 @@ def _form(waiting: list[MemberView], view: QuorumView) -> QuorumDecision:
     sources = [m.worker_id for m in current]
     heal_from = {}
     if not restore:
-        behind = [m.worker_id for m in waiting if m.worker_id not in sources]
+        source_set = set(sources)
+        behind = [m.worker_id for m in waiting if m.worker_id not in source_set]
         heal_from = {wid: sources[i % len(sources)] for i, wid in enumerate(behind)}
     reuse = view.current_intact and ids == view.current_members and not heal_from and not restore
     qid = view.current_id if reuse else max(view.current_id, view.max_id_seen) + 1
