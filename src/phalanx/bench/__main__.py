@@ -1,4 +1,4 @@
-"""`python -m phalanx.bench training|sim`: benchmarks that compare phalanx with a peer in one run."""
+"""`python -m phalanx.bench training|sim|fidelity`: benchmarks that compare phalanx with a peer in one run."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ def main() -> int:
         from phalanx.bench.training import main as run
     elif which == "sim":
         from phalanx.bench.sim_events import main as run  # type: ignore[no-redef]
+    elif which == "fidelity":
+        from phalanx.bench.fidelity import main as run  # type: ignore[no-redef]
     else:
-        print("usage: python -m phalanx.bench training|sim [options]", file=sys.stderr)
+        print("usage: python -m phalanx.bench training|sim|fidelity [options]", file=sys.stderr)
         return 2
     sys.argv = [f"phalanx.bench.{which}", *rest]
     return int(run() or 0)

@@ -165,8 +165,7 @@ class Coordinator:
             if session is self.sessions.get(session.worker_id):
                 session.connected = False
                 if not session.done:
-                    self._suspect(session, "connection lost")
-            self._evaluate()
+                    self._suspect(session, "connection lost")  # decides the current step if it must
 
     def _admit(self, hello: Hello, conn: Connection) -> WorkerSession:
         now = self.host.now()
@@ -219,14 +218,22 @@ class Coordinator:
         elif isinstance(m, HealDone):
             s.has_state, s.last_committed_step = True, m.step - 1
             self.emit("worker_healed", worker=s.worker_id, source=m.source, step=m.step, quorum_id=m.quorum_id)
+            return  # matters for the next formation only: the ticker takes it from here
         elif isinstance(m, CheckpointWritten):
             self.note_checkpoint(m.path, m.step)
             self.emit("checkpoint_written", worker=s.worker_id, step=m.step, path=m.path)
+            return  # may unblock a stalled formation: the ticker re-evaluates within tick_s
         elif isinstance(m, Goodbye):
             s.done = True
+            if s.waiting:
+                s.waiting = False
+                self._waiting_n -= 1
             self.emit("worker_finished", worker=s.worker_id, completed=m.completed, reason=m.reason)
             if all(x.done for x in self.sessions.values()):
                 self.all_done.set()
+            q = self.quorum
+            if q is None or q.decided or s.worker_id not in q.member_set:
+                return
         self._evaluate()
 
     def _on_report(self, s: WorkerSession, m: AllreduceDone) -> None:
