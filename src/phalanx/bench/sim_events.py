@@ -118,11 +118,22 @@ def bench_scale(workers: int, steps: int) -> dict[str, Any]:
             "faults": len(s["faults"]), "samples_exactly_once": s["samples_exactly_once"]}
 
 
+def bench_ring(ranks: int) -> dict[str, Any]:
+    from phalanx.sim.chunked import ring_allreduce_time, ring_formula_s
+
+    t0 = time.perf_counter()
+    r = ring_allreduce_time(ranks, 100_000_000, 20e-6, 1 / 1.25e9)
+    wall_s = time.perf_counter() - t0
+    return {"ranks": ranks, "messages": r.messages, "wall_s": round(wall_s, 3), "virtual_s": r.finish_s,
+            "formula_s": ring_formula_s(ranks, 100_000_000, 20e-6, 1 / 1.25e9)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--events", type=int, default=400_000)
     ap.add_argument("--scale-workers", type=int, default=1024)
     ap.add_argument("--scale-steps", type=int, default=100)
+    ap.add_argument("--ring-ranks", type=int, default=1024)
     ap.add_argument("--out", default="runs/bench/sim.json")
     args = ap.parse_args()
     console = Console(stderr=True)
@@ -132,6 +143,10 @@ def main() -> int:
                      ("SimPy 4.1 (processes)", bench_simpy), ("plain asyncio (sleep 0)", bench_plain_asyncio)]:
         console.print(f"timer events: {name} ...")
         rates[name] = max(fn(args.events) for _ in range(2))
+    ring = None
+    if args.ring_ranks:
+        console.print(f"per-chunk ring all-reduce over {args.ring_ranks} ranks ...")
+        ring = bench_ring(args.ring_ranks)
     scale = None
     if args.scale_workers:
         console.print(f"scale: {args.scale_workers} workers x {args.scale_steps} steps, 5 crashes + a partition ...")
@@ -143,12 +158,15 @@ def main() -> int:
     t.add_column("vs SimPy")
     for k, v in rates.items():
         t.add_row(k, f"{v / 1e6:.3f} M events/s", f"{v / simpy_rate:.2f}x")
+    if ring:
+        t.add_row(f"per-chunk ring all-reduce, {ring['ranks']} ranks ({ring['messages']:,} messages)",
+                  f"{ring['wall_s']:.2f} s wall", "")
     if scale:
         t.add_row(f"{scale['workers']} workers x {scale['steps']} steps, 5 crashes + partition",
                   f"{scale['wall_s']:.1f} s wall ({scale['virtual_s']:.1f} s virtual, ok={scale['ok']})", "")
     console.print(t)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"events_per_s": rates, "scale": scale}, indent=2))
+    out.write_text(json.dumps({"events_per_s": rates, "ring": ring, "scale": scale}, indent=2))
     print(f"wrote {out}")
     return 0
