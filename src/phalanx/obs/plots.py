@@ -153,7 +153,7 @@ def worker_time_png(breakdowns: dict[str, dict[str, float]]) -> bytes:
             left = [a + b for a, b in zip(left, widths)]
     ax.invert_yaxis()
     if names:
-        ax.legend(loc="lower right", fontsize=8, ncol=len(cats))
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), fontsize=8, ncol=len(cats), frameon=False)
     ax.set_xlabel("seconds")
     ax.set_title("Where each worker's time went")
     return _png(fig)

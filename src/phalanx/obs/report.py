@@ -289,3 +289,73 @@ def write_report(run_dir: Path, out_html: Path | None = None) -> dict[str, Any]:
     trace = run.run_dir / "trace.json"
     trace.write_text(json.dumps(build_trace(run.events, run.workers)), encoding="utf-8")
     return {"report": report, "trace": trace, "plots": list(images)}
+
+
+# ---------------------------------------------------------------- two-run comparison
+
+
+def _step_times_s(run: RunData) -> list[float]:
+    """Step times without step 0, which includes start-up and initial healing and would swamp the average."""
+    return [float(m["step_s"]) for m in run.metrics[1:] if _num(m.get("step_s")) is not None]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def comparison_metrics(run: RunData) -> dict[str, float | int | bool | None]:
+    """The numbers two runs are compared on; per-step traffic makes runs of different lengths comparable."""
+    s, steps, times = run.summary, steps_committed(run), _step_times_s(run)
+    cp = s.get("control_plane") if isinstance(s.get("control_plane"), dict) else {}
+    rows = fault_rows(run)
+
+    def per_step(key: str) -> float | None:
+        v = _num(cp.get(key))
+        return v / steps if v is not None and steps else None
+
+    def mean(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return statistics.fmean(present) if present else None
+
+    return {"ok": s.get("ok"), "workers": s.get("workers"), "steps committed": steps,
+            "steps retried": s.get("steps_retried"), "final loss": s.get("final_loss"),
+            "max |param - reference|": s.get("reference_max_abs_diff"),
+            "samples exactly once": s.get("samples_exactly_once"), "wall time (s)": s.get("wall_s"),
+            "median step (s)": statistics.median(times) if times else None,
+            "p95 step (s)": _percentile(times, 0.95), "faults": len(rows),
+            "mean detection (s)": mean([r.detected_after_s for r in rows]),
+            "mean recovery (s)": mean([r.recovered_after_s for r in rows]),
+            "false suspicions": s.get("false_suspicions"),
+            "bytes sent per step": per_step("bytes_sent"), "frames sent per step": per_step("frames_sent"),
+            "bytes received per step": per_step("bytes_received"),
+            "frames received per step": per_step("frames_received")}
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    a_num, b_num = _num(a), _num(b)
+    return b_num / a_num if a_num and b_num is not None else None
+
+
+def compare_runs(run_a: Path, run_b: Path, out: Path | None = None) -> Path:
+    """Write an HTML page comparing run A with run B (default ``RUN_B/compare.html``); ratios are B / A."""
+    a, b = load_run(Path(run_a)), load_run(Path(run_b))
+    label_a, label_b = f"A: {a.run_dir.name}", f"B: {b.run_dir.name}"
+    if a.run_dir.name == b.run_dir.name:
+        label_a, label_b = f"A: {a.run_dir}", f"B: {b.run_dir}"
+    ma, mb = comparison_metrics(a), comparison_metrics(b)
+    rows = [[k, ma[k], mb[k], _ratio(ma[k], mb[k])] for k in ma]
+    loss = plots.loss_png([(label_a, a.metrics), (label_b, b.metrics)], a.reference or b.reference or None)
+    step = plots.step_time_png([(label_a, a.metrics), (label_b, b.metrics)])
+    body = "".join([
+        "<h1>phalanx run comparison</h1>",
+        f'<p class="note">{html.escape(label_a)}<br>{html.escape(label_b)}</p>',
+        "<h2>Summary</h2>", _table(["metric", "A", "B", "B / A"], rows),
+        "<h2>Loss</h2>", _img(loss, "loss of both runs"),
+        "<h2>Step time</h2>", _img(step, "step time of both runs"),
+        '<p class="note">Each run\'s time axis starts at its own coordinator start.</p>'])
+    target = Path(out) if out else b.run_dir / "compare.html"
+    target.write_text(_page("phalanx run comparison", body), encoding="utf-8")
+    return target

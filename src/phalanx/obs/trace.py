@@ -24,6 +24,8 @@ _SIDE_SPANS = frozenset({"heal", "heal_serve", "restore", "checkpoint"})
 _WORKER_NAME = re.compile(r"^w(\d+)$")
 # fields that are already expressed by the event's position on the trace; everything else goes into args
 _PLACEMENT_KEYS = frozenset({"mono", "dur", "t", "node", "span", "event"})
+# a span that ends this little after the next one on its thread starts is clock rounding, not concurrency
+_ROUNDING_OVERLAP_US = 1000.0
 
 
 def worker_pids(names: list[str]) -> dict[str, int]:
@@ -97,7 +99,21 @@ def _worker_events(pid: int, records: list[Record], base_s: float) -> list[Recor
         elif isinstance(r.get("event"), str):
             out.append({"ph": "i", "s": "t", "name": r["event"], "cat": "worker", "pid": pid, "tid": 0,
                         "ts": ts_us, "args": _args(r)})
+    _trim_rounding_overlaps([e for e in out if e["ph"] == "X" and e["tid"] == 0])
     return out
+
+
+def _trim_rounding_overlaps(spans: list[Record]) -> None:
+    """End a span where the next one starts when they overlap by microseconds.
+
+    Workers time each phase separately, so compute can end a few microseconds after the allreduce that follows it
+    "began". Trace viewers treat such partial overlaps as mis-nested slices and may drop them.
+    """
+    spans.sort(key=lambda e: e["ts"])
+    for a, b in zip(spans, spans[1:]):
+        a_end_us = a["ts"] + a["dur"]
+        if a["ts"] <= b["ts"] < a_end_us < b["ts"] + b["dur"] and a_end_us - b["ts"] <= _ROUNDING_OVERLAP_US:
+            a["dur"] = b["ts"] - a["ts"]
 
 
 def _coordinator_events(events: list[Record], offset_s: float, base_s: float) -> list[Record]:
@@ -144,6 +160,10 @@ def build_trace(events: list[Record], workers: dict[str, list[Record]]) -> Recor
     for name, pid in sorted(worker_pids(list(workers)).items(), key=lambda kv: kv[1]):
         trace += _metadata(pid, name, {0: f"{name} steps", 1: f"{name} heal/checkpoint"})
         body += _worker_events(pid, workers[name], base_s)
+    for ev in body:
+        ev["ts"] = round(ev["ts"], 3)
+        if "dur" in ev:
+            ev["dur"] = round(ev["dur"], 3)
     body.sort(key=lambda ev: (ev["ts"], ev["pid"], ev["tid"]))
     return {"traceEvents": trace + body, "displayTimeUnit": "ms",
             "otherData": {"clock": "microseconds since the earliest instant of the run",
