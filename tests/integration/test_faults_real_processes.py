@@ -1,7 +1,6 @@
 """Real worker processes on loopback, real SIGKILL / SIGSTOP / held GIL. Each test ends with the
 strict-equivalence and exactly-once checks against the single-process reference."""
 
-import pytest
 
 from tests.integration.conftest import assert_strict, events, train
 

@@ -394,6 +394,7 @@ class Coordinator:
         for s in self._sorted_sessions():
             if s.healthy and s.waiting:
                 s.waiting = False
+                self._waiting_n -= 1
                 self._send(s, Shutdown(reason=f"the job finished at step {self.cluster_step} while this worker "
                                               f"was behind, and {why.split(';')[0]}"))
                 self.emit("late_worker_released", worker=s.worker_id, last_committed_step=s.last_committed_step)

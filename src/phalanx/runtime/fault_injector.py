@@ -43,8 +43,7 @@ class FaultInjector:
     def __init__(self, plan: FaultPlan, coordinator: Coordinator, supervisor: Supervisor) -> None:
         self.plan, self.coord, self.sup = plan, coordinator, supervisor
         self.records: list[FaultRecord] = []
-        self.restart_on_kill: set[int] = set()
-        self.no_restart_on_kill: set[int] = set()  # kills with restart = false: stay down
+        self.kill_restart: dict[int, bool] = {}  # worker index -> restart it after the planned kill?
         self._first_commit_mono: float | None = None
 
     def on_event(self, ev: dict[str, Any]) -> None:
@@ -67,14 +66,14 @@ class FaultInjector:
             await self.coord.inject(f"w{f.worker}", InjectFault(kind="kill", phase="allreduce", at_step=f.at_step or 0))
             await self._wait_trigger(f)
             self._record(f)
-            (self.restart_on_kill if f.restart else self.no_restart_on_kill).add(f.worker or 0)
+            self.kill_restart[f.worker or 0] = f.restart
             return
         await self._wait_trigger(f)
         rec = self._record(f)
         w = self.sup.workers[f.worker] if f.worker is not None else None
         if f.kind is FaultKind.KILL:
             assert w is not None
-            (self.restart_on_kill if f.restart else self.no_restart_on_kill).add(w.index)
+            self.kill_restart[w.index] = f.restart
             self.sup.kill(w)
         elif f.kind is FaultKind.FREEZE:
             assert w is not None and f.for_s is not None

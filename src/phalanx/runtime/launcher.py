@@ -156,12 +156,8 @@ async def _supervise(cfg: LaunchConfig, sup: Supervisor, coord: Coordinator | No
             on_event(ev)
             if code == 0:
                 continue
-            fault_restart = injector is not None and w.index in injector.restart_on_kill
-            stay_down = injector is not None and w.index in injector.no_restart_on_kill
-            if injector is not None:
-                injector.restart_on_kill.discard(w.index)
-                injector.no_restart_on_kill.discard(w.index)
-            if not stay_down and sup.may_restart(w, fault_restart):
+            planned = injector.kill_restart.pop(w.index, None) if injector is not None else None
+            if planned is not False and sup.may_restart(w, planned is True):  # False: the plan keeps it down
                 sup.restart(w)
                 on_event({"t": now - t0, "mono": now, "node": "launcher", "event": "worker_restarted",
                           "worker": w.worker_id, "restarts": w.restarts})
@@ -177,7 +173,7 @@ async def _supervise(cfg: LaunchConfig, sup: Supervisor, coord: Coordinator | No
             nobody_missing = sum(1 for s in coord.sessions.values() if s.healthy) >= cfg.workers
             limit_s = min(cfg.stall_timeout_s, STALL_GRACE_S) if nobody_missing else cfg.stall_timeout_s
             if now - stalled_since > limit_s:
-                return False, f"no progress for {cfg.stall_timeout_s:.0f} s: {coord.stall_reason}"
+                return False, f"no progress for {limit_s:.0f} s: {coord.stall_reason}"
         else:
             stalled_since = None
         if now - t0 > cfg.max_wall_s:

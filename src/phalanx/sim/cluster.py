@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -79,9 +80,6 @@ class Cluster:
             self.record_spans = self.workers <= 64
 
     # ---- observers used by workers and the coordinator ----
-    def host_log(self, node: str, event: str, fields: dict[str, Any]) -> None:
-        return None  # coordinator events arrive through on_event; worker logs are spans
-
     def span(self, worker: str, name: str, start_s: float, **fields: Any) -> None:
         if self.record_spans:
             now = self._loop.time()
@@ -145,8 +143,6 @@ class Cluster:
         return self._result(ok, reason, loop.time(), wall_s, loop.timer_events)
 
     async def _main(self) -> tuple[bool, str]:
-        import random
-
         self._loop = asyncio.get_running_loop()
         self._rng = random.Random(f"compute:{self.seed}")
         self.net = SimNetwork(self.seed, self.link, self.racks)

@@ -276,7 +276,6 @@ class SimTransport:
         self.net, self.node = net, node
 
     async def connect(self, address: str, timeout_s: float) -> SimConnection:
-        loop = asyncio.get_running_loop()
         target = self.net.lookup(address)
         if target is None or not target[0].alive:
             await asyncio.sleep(self.net.link.latency_s * 2)
@@ -290,7 +289,6 @@ class SimTransport:
         srv = SimConnection(self.net, server, self.node, self.node.name)
         client.other, srv.other = srv, client
         self.net.spawn(server, on_connection(srv), f"serve-{self.node.name}")
-        del loop
         return client
 
     async def listen(self, address: str, on_connection: Callable[[Any], Awaitable[None]]) -> Any:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from phalanx.faults.plan import FaultPlan, parse_fault_plan
+from phalanx.faults.plan import parse_fault_plan
 from phalanx.sim.cluster import Cluster, SimResult
 
 KINDS = ("kill", "freeze", "hang", "partition", "loss", "latency", "straggler", "gil_hang")
@@ -117,8 +117,3 @@ def sweep(seeds: range, workers: int, steps: int, out_dir: Path,
 def replay_command(o: SeedOutcome, workers: int, steps: int) -> str:
     return f"phalanx sim run --workers {workers} --steps {steps} --seed {o.seed} --fault-plan {o.plan_path}"
 
-
-def plan_from_file(path: str) -> FaultPlan:
-    from phalanx.faults.plan import load_fault_plan
-
-    return load_fault_plan(path)

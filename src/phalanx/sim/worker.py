@@ -49,7 +49,7 @@ class SimWorker:
         c = self.cluster
         c.net.revive(self.node)
         self.w = c.data.initial_params()  # a fresh process has only its initial state
-        host = SimHost(c.net, self.node, c.seed, c.host_log)
+        host = SimHost(c.net, self.node, c.seed)
         cfg = WorkerConfig(worker_id=self.worker_id, coordinator_address=c.coordinator_address, heal_bind="heal",
                            connect_timeout_s=5.0, quorum_timeout_s=c.max_virtual_s, decision_timeout_s=30.0,
                            heal_timeout_s=10.0, reconnect_timeout_s=30.0, pid=10_000 + self.index)

@@ -19,12 +19,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +32,9 @@ import torch
 
 from phalanx.core.auth import read_token_file
 from phalanx.core.errors import (
-    CollectiveError, ConfigError, CoordinatorLost, HealError, JobFailed, JobOver, PeerTimeout, PhalanxError,
+    CollectiveError, ConfigError, CoordinatorLost, HealError, JobFailed, JobOver, PeerTimeout,
     QuorumBroken, StaleEpoch, StateCorrupt,
 )
-from phalanx.core.messages import InjectFault
 from phalanx.train import sharding
 from phalanx.train.faults_in_process import InProcessFaults
 from phalanx.train.worker_agent import Assignment, WorkerAgent, WorkerConfig
