@@ -44,7 +44,7 @@ def test_worker_out_of_range_and_unsupported_kinds_are_rejected():
     plan = parse_fault_plan('[[fault]]\nkind = "kill"\nworker = 7\nat_step = 1\n', "p.toml")
     with pytest.raises(FaultPlanError, match="worker 7 does not exist in a run of 4 workers"):
         plan.validate_workers(4)
-    net = parse_fault_plan('[[fault]]\nkind = "partition"\nat_s = 1\nfor_s = 2\n', "n.toml")
+    net = parse_fault_plan('[[fault]]\nkind = "duplicate"\nprobability = 0.1\nat_s = 1\n', "n.toml")
     net.require_supported("sim")
     with pytest.raises(FaultPlanError, match="not supported by the real runtime"):
         net.require_supported("real")

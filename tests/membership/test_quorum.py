@@ -93,3 +93,23 @@ def test_commit_decisions(name, members, live, reports, verdict):
     v, why = decide_commit(members, live, reports)
     assert v is verdict, (name, why)
     assert why
+
+
+def test_local_sgd_merges_a_member_that_is_behind_instead_of_healing_it_over():
+    members = [m("a"), m("b"), m("c", committed=1)]  # c was cut off for three sync rounds but kept training
+    strict = decide_quorum(1.0, members, STEADY, CFG)
+    merge = decide_quorum(1.0, members, STEADY, QuorumConfig(1, 3, 10.0, 0.5, merge_stale=True))
+    assert strict.heal_from == {"c": "a"}
+    assert merge.action is Action.FORM and merge.heal_from == {} and merge.members == ("a", "b", "c")
+
+
+def test_local_sgd_still_heals_a_member_with_no_state():
+    cfg = QuorumConfig(1, 3, 10.0, 0.5, merge_stale=True)
+    d = decide_quorum(1.0, [m("a"), m("b"), m("c", committed=-1, state=False)], STEADY, cfg)
+    assert d.heal_from == {"c": "a"}
+
+
+def test_a_merge_commits_without_a_coverage_vector_only_when_coverage_is_not_required():
+    reports = {"a": Report(True, False), "b": Report(True, False)}
+    assert decide_commit(["a", "b"], ["a", "b"], reports)[0] is Verdict.ABORT
+    assert decide_commit(["a", "b"], ["a", "b"], reports, require_coverage=False)[0] is Verdict.COMMIT

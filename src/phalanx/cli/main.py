@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from phalanx.core.errors import PhalanxError
 
@@ -15,12 +16,20 @@ def _train(args: argparse.Namespace) -> int:
     from phalanx.faults.plan import default_plan_path, load_fault_plan
     from phalanx.runtime.train_job import TrainOptions, run_train
 
+    from phalanx.core.modes import ModeConfig
+
     plan = None if args.no_faults else load_fault_plan(args.fault_plan or default_plan_path())
-    run_dir = Path(args.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
-    summary = run_train(TrainOptions(workers=args.workers, steps=args.steps, seed=args.seed, run_dir=run_dir,
-                                     fault_plan=plan, checkpoint_every_steps=args.checkpoint_every,
-                                     resume=args.resume, reference=not args.no_reference,
-                                     show_progress=not args.quiet, min_step_s=args.min_step_s))
+    run_dir = Path(args.out or f"runs/{'compare' if args.compare_modes else 'train'}-{time.strftime('%Y%m%d-%H%M%S')}")
+    modes = ModeConfig(mode=ModeConfig.parse(args.mode), deadline_s=args.deadline_s,
+                       sync_every_steps=args.sync_every, max_staleness_steps=args.max_staleness)
+    opts = TrainOptions(workers=args.workers, steps=args.steps, seed=args.seed, run_dir=run_dir,
+                        fault_plan=plan, checkpoint_every_steps=args.checkpoint_every,
+                        resume=args.resume, reference=not args.no_reference,
+                        show_progress=not args.quiet, min_step_s=args.min_step_s, modes=modes,
+                        network=args.network)
+    if args.compare_modes:
+        return _compare(opts)
+    summary = run_train(opts)
     from phalanx.cli.printing import print_summary
 
     print_summary(summary, run_dir)
@@ -28,6 +37,15 @@ def _train(args: argparse.Namespace) -> int:
         print(f"phalanx train: FAILED: {summary.get('reason') or 'strict checks did not hold'}", file=sys.stderr)
         return 1
     return 0
+
+
+def _compare(opts: Any) -> int:
+    from phalanx.cli.printing import print_mode_row, print_mode_table
+    from phalanx.runtime.compare_modes import compare_modes
+
+    result = compare_modes(opts, on_row=print_mode_row)
+    print_mode_table(result["rows"], opts.run_dir)
+    return 0 if all(r["ok"] for r in result["rows"]) else 1
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -94,6 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no live progress display")
     t.add_argument("--min-step-s", type=float, default=0.0,
                    help="pace each step to at least this many seconds (emulates a larger model; default 0)")
+    t.add_argument("--network", default="loopback", choices=["loopback", "namespaces"],
+                   help="loopback (default), or namespaces: each worker in its own network namespace behind a "
+                        "bridge, partition/bandwidth faults in the kernel (needs root)")
+    t.add_argument("--mode", default="strict", choices=["strict", "available", "local-sgd"],
+                   help="consistency mode (default strict; see docs/ARCHITECTURE.md, Consistency modes)")
+    t.add_argument("--deadline-s", type=float, default=0.25,
+                   help="available: how long a step waits for members that have not turned up (default 0.25)")
+    t.add_argument("--sync-every", type=int, default=10, help="local-sgd: local steps between merges (default 10)")
+    t.add_argument("--max-staleness", type=int, default=30,
+                   help="local-sgd: local steps past the last merge before a worker blocks (default 30)")
+    t.add_argument("--compare-modes", action="store_true",
+                   help="run the fault plan under every mode (plus a fault-free baseline) and print the table")
     t.set_defaults(fn=_train)
 
     la = sub.add_parser("launch", help="run a training script on N supervised workers",

@@ -16,12 +16,14 @@ def print_summary(s: dict[str, Any], run_dir: Path) -> None:
     t.add_column("value")
     rows = [
         ("result", "OK" if s.get("ok") else f"FAILED ({s.get('reason', '')})"),
+        ("mode", str(s.get("mode", "strict"))),
         ("steps committed", str(s.get("steps_committed"))),
         ("steps retried", str(s.get("steps_retried"))),
         ("samples exactly once", str(s.get("samples_exactly_once"))),
         ("max |params - reference|", _f(s.get("reference_max_abs_diff"), "{:.2e}")),
         ("final loss / reference", f"{_f(s.get('final_loss'))} / {_f(s.get('reference_final_loss'))}"),
         ("false suspicions", str(s.get("false_suspicions"))),
+        ("throughput", _f((s.get("mode_metrics") or {}).get("throughput_samples_per_s"), "{:.0f} samples/s")),
         ("wall time", _f(s.get("wall_s"), "{:.1f} s")),
     ]
     for k, v in rows:
@@ -39,3 +41,24 @@ def print_summary(s: dict[str, Any], run_dir: Path) -> None:
 
 def _f(x: Any, fmt: str = "{:.4f}") -> str:
     return "-" if x is None else fmt.format(x)
+
+
+def print_mode_row(r: dict[str, Any]) -> None:
+    Console().print(f"[bold]{r['run']}[/bold]: {'OK' if r['ok'] else 'FAILED ' + r['reason']}, "
+                    f"{_f(r['throughput_samples_per_s'], '{:.0f}')} samples/s, wall {_f(r['wall_s'], '{:.1f} s')}")
+
+
+def print_mode_table(rows: list[dict[str, Any]], run_dir: Path) -> None:
+    from phalanx.runtime.compare_modes import COLUMNS
+
+    t = Table(title=f"phalanx train --compare-modes: {run_dir}")
+    for c in COLUMNS:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["run"] if r["run"] == "fault-free" else r["mode"], r["faults"],
+                  _f(r["throughput_samples_per_s"], "{:.0f}"), _f(r["throughput_vs_fault_free"], "{:.0%}"),
+                  _f(r["time_to_target_loss_s"], "{:.2f} s"), _f(r["final_eval_loss"]),
+                  _f(r["stall_s"], "{:.2f} s"), _f(r["reference_max_abs_diff"], "{:.1e}"),
+                  "yes" if r["ok"] else f"NO ({r['reason']})")
+    Console().print(t)
+    Console().print(f"table: {run_dir / 'compare_modes.md'}")

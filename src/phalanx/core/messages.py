@@ -58,6 +58,12 @@ class QuorumRequest(_Msg):
     total_steps: int = -1  # the loop's length (-1: unknown); lets the coordinator finish catch-ups
 
 
+class QuorumCancel(_Msg):
+    """The worker stopped waiting for the quorum it asked for (local-sgd: a sync attempt timed out)."""
+
+    step: int
+
+
 class Progress(_Msg):
     """A step-progress mark for the progress watch (e.g. phase='allreduce')."""
 
@@ -103,6 +109,11 @@ class Welcome(_Msg):
     collective_timeout_s: float
     checkpoint_every_steps: int
     run_dir: str
+    mode: str = "strict"  # core.modes.ConsistencyMode
+    deadline_s: float = 0.25
+    sync_every_steps: int = 10
+    max_staleness_steps: int = 30
+    sync_timeout_s: float = 1.0
 
 
 class QuorumAssigned(_Msg):
@@ -115,6 +126,8 @@ class QuorumAssigned(_Msg):
     heal_targets: list[str] = []  # members that will heal from this worker
     restore_checkpoint: str = ""  # path of a durable checkpoint to restore ("" = none)
     write_checkpoint: bool = False  # this member writes the durable checkpoint after commit
+    shard_weights: list[float] = []  # available mode: each member's share of the global batch ([] = even)
+    local_step: int = -1  # local-sgd: the furthest local step among the members; all continue from it
 
 
 class QuorumBroken(_Msg):
@@ -136,6 +149,15 @@ class InjectFault(_Msg):
     phase: str = ""
     at_step: int = -1
     factor: float = 1.0
+    # network faults (partition, latency, loss, bandwidth), applied by the worker at its seams
+    groups: list[list[str]] = []  # partition: node names per side; unnamed nodes and the coordinator: side 0
+    one_way: bool = False  # partition: only side 0 -> other sides is cut
+    mean_ms: float = 0.0
+    jitter_ms: float = 0.0
+    distribution: str = "normal"  # constant | normal | pareto
+    probability: float = 0.0  # loss per message, charged as retransmission timeouts
+    bytes_per_s: float = 0.0
+    peers: list[str] = []  # links to these peers only; [] = every link of this worker
 
 
 class Shutdown(_Msg):
@@ -172,7 +194,7 @@ class HealAck(_Msg):
 
 Message = Union[
     ClientHello, ServerHello, Refused,
-    Hello, Heartbeat, QuorumRequest, Progress, AllreduceDone, HealDone, CheckpointWritten, Goodbye,
+    Hello, Heartbeat, QuorumRequest, QuorumCancel, Progress, AllreduceDone, HealDone, CheckpointWritten, Goodbye,
     Welcome, QuorumAssigned, QuorumBroken, StepDecision, InjectFault, Shutdown,
     HealRequest, HealOffer, HealChunk, HealAck,
 ]

@@ -22,14 +22,17 @@ class FaultKind(str, Enum):
     LATENCY = "latency"
     LOSS = "loss"
     BANDWIDTH = "bandwidth"
+    DUPLICATE = "duplicate"  # simulator only: TCP hides it, it costs bandwidth
+    REORDER = "reorder"  # simulator only: TCP hides it, it costs head-of-line delay
     COORDINATOR_KILL = "coordinator_kill"
 
 
 WORKER_KINDS = frozenset({FaultKind.KILL, FaultKind.FREEZE, FaultKind.GIL_HANG, FaultKind.HANG, FaultKind.STRAGGLER})
 NETWORK_KINDS = frozenset({FaultKind.PARTITION, FaultKind.LATENCY, FaultKind.LOSS, FaultKind.BANDWIDTH})
 SUPPORTED: dict[str, frozenset[FaultKind]] = {
-    "real": WORKER_KINDS,
-    "sim": frozenset(FaultKind) - {FaultKind.COORDINATOR_KILL},
+    "real": WORKER_KINDS | NETWORK_KINDS | {FaultKind.COORDINATOR_KILL},  # network kinds act at the worker's
+    # seams (train.network_faults); coordinator_kill is carried out by the launcher (runtime.launcher_faults)
+    "sim": frozenset(FaultKind),
 }
 # key -> (required for kinds, allowed for kinds)
 _COMMON = {"kind", "at_step", "at_s", "worker", "note"}
@@ -43,6 +46,8 @@ _KEYS: dict[FaultKind, tuple[set[str], set[str]]] = {
     FaultKind.LATENCY: ({"mean_ms"}, {"jitter_ms", "distribution", "for_s", "workers", "pair"}),
     FaultKind.LOSS: ({"probability"}, {"for_s", "workers", "pair"}),
     FaultKind.BANDWIDTH: ({"bytes_per_s"}, {"for_s", "workers", "pair"}),
+    FaultKind.DUPLICATE: ({"probability"}, {"for_s", "workers", "pair"}),
+    FaultKind.REORDER: ({"probability", "delay_ms"}, {"for_s", "workers", "pair"}),
     FaultKind.COORDINATOR_KILL: (set(), {"restart_after_s"}),
 }
 
@@ -170,7 +175,7 @@ def _fault(i: int, e: dict[str, Any], block: tuple[int | None, dict[str, int]], 
         return v
 
     params = []
-    for k in ("mean_ms", "jitter_ms", "bytes_per_s", "restart_after_s"):
+    for k in ("mean_ms", "jitter_ms", "delay_ms", "bytes_per_s", "restart_after_s"):
         if k in e:
             params.append((k, float(num(k, strict=(k == "bytes_per_s")))))
     if "probability" in e:

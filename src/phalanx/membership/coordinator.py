@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from phalanx.core.errors import TransportError
 from phalanx.core.host import Connection, Host
 from phalanx.core.messages import (
     AllreduceDone, CheckpointWritten, Goodbye, HealDone, Heartbeat, Hello, InjectFault, Progress, QuorumAssigned,
-    QuorumBroken, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
+    QuorumBroken, QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
 )
+from phalanx.core.modes import ConsistencyMode, ModeConfig
 from phalanx.membership import failure_detector as fd
 from phalanx.membership.quorum import (
     Action, MemberView, QuorumConfig, QuorumView, Report, Verdict, decide_commit, decide_quorum,
@@ -33,6 +34,24 @@ class CoordinatorConfig:
     tick_s: float = 0.02
     run_dir: str = ""
     run_id: str = "run"
+    modes: ModeConfig = ModeConfig()
+
+
+def apply_mode(cfg: CoordinatorConfig) -> CoordinatorConfig:
+    """The timeouts each consistency mode implies (core.modes explains the modes).
+
+    available: a formed step waits at most ``deadline_s`` for members not yet asking, and a member
+    that falls ``deadline_s`` behind the others inside a step is dropped from it (it rejoins at the
+    next step). local-sgd: members with any state merge in instead of being healed over.
+    """
+    m = cfg.modes
+    if m.mode is ConsistencyMode.AVAILABLE:
+        q = replace(cfg.quorum, join_timeout_s=min(cfg.quorum.join_timeout_s, m.deadline_s))
+        d = replace(cfg.detector, progress_timeout_s=min(cfg.detector.progress_timeout_s, max(m.deadline_s, 0.1)))
+        return replace(cfg, quorum=q, detector=d)
+    if m.mode is ConsistencyMode.LOCAL_SGD:
+        return replace(cfg, quorum=replace(cfg.quorum, merge_stale=True))
+    return cfg
 
 
 @dataclass
@@ -52,6 +71,7 @@ class WorkerSession:
     waiting_since_s: float = 0.0
     phase: tuple[fd.Phase, float] = (fd.Phase.REQUESTED, 0.0)
     done: bool = False
+    requested_step: int = -1  # the step number the worker asked a quorum for (local-sgd: its local step)
     outbox: asyncio.Queue[Any] = field(default_factory=lambda: asyncio.Queue(maxsize=1024))
 
     @property
@@ -70,6 +90,7 @@ class CurrentQuorum:
     reports: dict[str, Report] = field(default_factory=dict)
     losses: dict[str, float] = field(default_factory=dict)
     member_set: frozenset[str] = frozenset()  # for O(1) membership checks per message
+    weights: dict[str, float] = field(default_factory=dict)  # available mode: share of the batch per member
 
 
 @dataclass(frozen=True)
@@ -87,7 +108,7 @@ class Coordinator:
     def __init__(self, host: Host, cfg: CoordinatorConfig, store_address: str,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
                  resume: tuple[str, int] | None = None) -> None:
-        self.host, self.cfg, self.store_address = host, cfg, store_address
+        self.host, self.cfg, self.store_address = host, apply_mode(cfg), store_address
         self._on_event = on_event
         self.sessions: dict[str, WorkerSession] = {}
         self.quorum: CurrentQuorum | None = None
@@ -98,12 +119,16 @@ class Coordinator:
         self.steps_retried = 0
         self.stall_reason = ""
         self.total_steps = -1  # the loop's length as workers report it (-1: unknown)
+        self.completed_workers = 0  # workers that said Goodbye holding the final state
         # Counts refreshed every tick and kept roughly current in between, so a message triggers a
         # full O(workers) evaluation only when it can complete a decision (thousands of simulated
         # workers would otherwise cost O(workers^2) per step).
         self._healthy_n = 0
         self._waiting_n = 0
+        self._form_blocked = False  # a message-triggered formation found nothing to form this tick
         self.events: list[dict[str, Any]] = []
+        # available mode: each worker's measured speed (share of the global batch per compute second)
+        self._speed: dict[str, float] = {}
         self._t0 = host.now()
         self._last_commit_s = host.now()
         self._stopped = False
@@ -126,6 +151,20 @@ class Coordinator:
                 except TransportError:
                     pass
         self._listener.close()
+
+    def crash(self) -> None:
+        """Die at once, like a SIGKILLed process (the ``coordinator_kill`` fault): no Shutdown, no
+        further event. The listener and every connection close, the ticker stops, and the sessions
+        and the current quorum are dropped, so this object decides nothing again. Workers see their
+        connection fail and reconnect to whatever listens on the address next."""
+        self._stopped = True
+        self._listener.close()
+        sessions, self.sessions, self.quorum = self._sorted_sessions(), {}, None
+        for s in sessions:  # emptied first: the readers' exit paths find no session to suspect or report
+            s.connected = False
+            s.conn.close()  # the default reason: a crash is not a refused connection
+            if not s.outbox.full():
+                s.outbox.put_nowait(None)  # wakes its sender, whose send on the closed connection ends it
 
     def emit(self, event: str, **fields: Any) -> None:
         record = {"t": round(self.host.now() - self._t0, 6), "node": "coordinator", "event": event, **fields}
@@ -152,7 +191,11 @@ class Coordinator:
                                 heartbeat_interval_s=self.cfg.detector.heartbeat_interval_s,
                                 collective_timeout_s=self.cfg.collective_timeout_s,
                                 checkpoint_every_steps=self.cfg.checkpoint_every_steps,
-                                run_dir=self.cfg.run_dir))
+                                run_dir=self.cfg.run_dir, mode=self.cfg.modes.mode.value,
+                                deadline_s=self.cfg.modes.deadline_s,
+                                sync_every_steps=self.cfg.modes.sync_every_steps,
+                                max_staleness_steps=self.cfg.modes.max_staleness_steps,
+                                sync_timeout_s=self.cfg.modes.sync_timeout_s))
         try:
             while not conn.is_closed:
                 message, _ = await conn.recv()
@@ -201,10 +244,16 @@ class Coordinator:
                 self._waiting_n += 1
             s.waiting, s.waiting_since_s = True, now
             s.last_committed_step, s.has_state = m.last_committed_step, m.has_state
+            s.requested_step = m.step
             self.total_steps = max(self.total_steps, m.total_steps)
             s.phase = (fd.Phase.REQUESTED, now)
             if self._waiting_n < self._healthy_n:
                 return  # others are still to ask: the ticker or the last request decides (O(1) here)
+        elif isinstance(m, QuorumCancel):
+            if s.waiting:
+                s.waiting = False
+                self._waiting_n -= 1
+            return
         elif isinstance(m, Progress):
             q = self.quorum
             if q and m.quorum_id == q.quorum_id and s.worker_id in q.member_set:
@@ -225,6 +274,7 @@ class Coordinator:
             return  # may unblock a stalled formation: the ticker re-evaluates within tick_s
         elif isinstance(m, Goodbye):
             s.done = True
+            self.completed_workers += int(m.completed)
             if s.waiting:
                 s.waiting = False
                 self._waiting_n -= 1
@@ -245,6 +295,11 @@ class Coordinator:
             return
         q.reports[s.worker_id] = Report(m.ok, m.samples_covered_once, m.error)
         q.losses[s.worker_id] = m.loss
+        share = q.weights.get(s.worker_id, 0.0)
+        if m.ok and share > 0 and m.compute_s > 0:
+            speed = share / m.compute_s
+            old = self._speed.get(s.worker_id)
+            self._speed[s.worker_id] = speed if old is None else 0.5 * old + 0.5 * speed
         s.phase = (fd.Phase.REPORTED, self.host.now())
 
     def _send(self, s: WorkerSession, message: Any) -> None:
@@ -267,23 +322,51 @@ class Coordinator:
             healthy = [s for s in self.sessions.values() if s.healthy]
             self._healthy_n = len(healthy)
             self._waiting_n = sum(1 for s in healthy if s.waiting)
-            self._evaluate()
+            self._form_blocked = False
+            self._evaluate(from_tick=True)
 
-    def _evaluate(self) -> None:
+    def _evaluate(self, from_tick: bool = False) -> None:
+        """Decide the current step's commit and the next quorum.
+
+        Time-based detection runs on the ticker only. A message may trigger a formation attempt
+        (the fast path when the last worker asks), but once one came back without forming, further
+        messages wait for the next tick: thousands of workers asking while a formation waits on a
+        timeout would otherwise cost O(workers) each, O(workers^2) per step.
+        """
         if self._stopped:
             return
         now = self.host.now()
-        self._detect(now)
+        if from_tick:
+            self._detect(now)
         q = self.quorum
         if q is not None and not q.decided:
             live = [w for w in q.members if self.sessions[w].healthy]
-            verdict, why = decide_commit(q.members, live, q.reports)
+            verdict, why = decide_commit(q.members, live, q.reports, self._needs_coverage)
             if verdict is Verdict.COMMIT:
                 self._commit(q, now, why)
             elif verdict is Verdict.ABORT:
                 self._abort(q, why)
-        if self.quorum is None or self.quorum.decided:
+        if (self.quorum is None or self.quorum.decided) and (from_tick or not self._form_blocked):
+            before = self.quorum
             self._maybe_form(now)
+            if self.quorum is before:
+                self._form_blocked = True
+
+    @property
+    def _needs_coverage(self) -> bool:
+        return self.cfg.modes.mode is not ConsistencyMode.LOCAL_SGD
+
+    def _shard_weights(self, members: tuple[str, ...]) -> list[float]:
+        """Available mode: shares proportional to measured speed (unmeasured members get the mean)."""
+        if self.cfg.modes.mode is not ConsistencyMode.AVAILABLE:
+            return []
+        known = [self._speed[w] for w in members if w in self._speed]
+        if not known:
+            return [1.0 / len(members)] * len(members)
+        mean = sum(known) / len(known)
+        raw = [self._speed.get(w, mean) for w in members]
+        total = sum(raw)
+        return [r / total for r in raw]
 
     def _detect(self, now: float) -> None:
         alive = {w: fd.Liveness(s.connected, s.last_heartbeat_s) for w, s in self.sessions.items() if s.healthy}
@@ -307,7 +390,7 @@ class Coordinator:
             q.intact = False
             if not q.decided:
                 live = [w for w in q.members if self.sessions[w].healthy]
-                verdict, why = decide_commit(q.members, live, q.reports)
+                verdict, why = decide_commit(q.members, live, q.reports, self._needs_coverage)
                 if verdict is Verdict.COMMIT:
                     self._commit(q, self.host.now(), why)
                 else:
@@ -362,7 +445,11 @@ class Coordinator:
             return
         self.stall_reason = ""
         assert q is None or d.quorum_id >= q.quorum_id, "quorum ids never decrease"
-        self.quorum = CurrentQuorum(d.quorum_id, d.step, d.members, now, member_set=frozenset(d.members))
+        weights = self._shard_weights(d.members)
+        self.quorum = CurrentQuorum(d.quorum_id, d.step, d.members, now, member_set=frozenset(d.members),
+                                    weights={w: weights[i] if weights else 1.0 / len(d.members)
+                                             for i, w in enumerate(d.members)})
+        local_step = max(self.sessions[w].requested_step for w in d.members)
         self.max_id_seen = max(self.max_id_seen, d.quorum_id)
         writer = self._checkpoint_writer(d)
         self._waiting_n = max(0, self._waiting_n - len(d.members))
@@ -376,16 +463,20 @@ class Coordinator:
             msg = QuorumAssigned(step=d.step, quorum_id=d.quorum_id, members=list(d.members), rank=rank,
                                  heal_from=src, heal_address=self.sessions[src].heal_address if src else "",
                                  heal_targets=heal_targets.get(w, []),
-                                 restore_checkpoint=d.restore_checkpoint, write_checkpoint=(w == writer))
+                                 restore_checkpoint=d.restore_checkpoint, write_checkpoint=(w == writer),
+                                 shard_weights=weights, local_step=local_step)
             self._send(s, msg)
         if not (q and q.quorum_id == d.quorum_id):
             self.emit("quorum_formed", quorum_id=d.quorum_id, step=d.step, members=list(d.members), reason=d.reason)
-        if self._job_finished():
+        if self._job_finished() and self.cfg.modes.mode is not ConsistencyMode.LOCAL_SGD:
             # A catch-up after the last step: members only restore or heal, there is nothing to commit.
+            # (In local-sgd a late member still merges: its own steps are not over.)
             self.quorum.decided = True
             self.emit("caught_up_after_finish", members=list(d.members), step=self.cluster_step)
 
     def _job_finished(self) -> bool:
+        if self.cfg.modes.mode is ConsistencyMode.LOCAL_SGD:
+            return self.completed_workers > 0  # its steps are local: a worker that finished ends the job
         return self.total_steps > 0 and self.cluster_step >= self.total_steps - 1
 
     def _release_late_workers(self, why: str) -> None:

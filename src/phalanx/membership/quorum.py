@@ -40,6 +40,8 @@ class QuorumConfig:
     expected_workers: int = 1  # the first quorum waits for this many, up to initial_wait_s
     initial_wait_s: float = 60.0
     join_timeout_s: float = 0.5  # how long a ready quorum waits for a connected worker not yet asking
+    # local-sgd: a member holding any state merges in at the sync instead of being healed over
+    merge_stale: bool = False
 
 
 class Action(Enum):
@@ -65,7 +67,10 @@ def decide_quorum(now: float, members: Sequence[MemberView], view: QuorumView, c
     if not waiting:
         return QuorumDecision(Action.WAIT, "no worker is asking for a quorum")
     first_ask = min(m.waiting_since_s for m in waiting)
-    if view.current_id == 0 and len(waiting) < cfg.expected_workers and now - first_ask < cfg.initial_wait_s:
+    # The job-start window applies to a real start only: a restarted coordinator (it has seen ids or
+    # a committed step) must not wait initial_wait_s for a worker that may be dead.
+    job_start = view.current_id == 0 and view.max_id_seen == 0 and view.cluster_step < 0
+    if job_start and len(waiting) < cfg.expected_workers and now - first_ask < cfg.initial_wait_s:
         return QuorumDecision(Action.WAIT, f"first quorum: {len(waiting)} of {cfg.expected_workers} expected workers ready")
     not_asking = [m for m in healthy if not m.waiting]
     if not_asking and now - first_ask < cfg.join_timeout_s:
@@ -73,13 +78,13 @@ def decide_quorum(now: float, members: Sequence[MemberView], view: QuorumView, c
         return QuorumDecision(Action.WAIT, f"waiting up to {cfg.join_timeout_s:.1f} s for {names}")
     if len(waiting) < cfg.min_workers:
         return QuorumDecision(Action.WAIT, f"{len(waiting)} workers ready, {cfg.min_workers} required")
-    return _form(waiting, view)
+    return _form(waiting, view, cfg.merge_stale)
 
 
-def _form(waiting: list[MemberView], view: QuorumView) -> QuorumDecision:
+def _form(waiting: list[MemberView], view: QuorumView, merge_stale: bool = False) -> QuorumDecision:
     step = view.cluster_step + 1
     ids = tuple(m.worker_id for m in waiting)
-    current = [m for m in waiting if m.has_state and m.last_committed_step == view.cluster_step]
+    current = [m for m in waiting if m.has_state and (merge_stale or m.last_committed_step == view.cluster_step)]
     restore = ""
     if view.cluster_step == -1 and not current:
         # Fresh start: the first member's initial state is the truth everyone copies.
@@ -125,17 +130,19 @@ class Report:
     error: str = ""
 
 
-def decide_commit(members: Sequence[str], live: Sequence[str], reports: dict[str, Report]) -> tuple[Verdict, str]:
+def decide_commit(members: Sequence[str], live: Sequence[str], reports: dict[str, Report],
+                  require_coverage: bool = True) -> tuple[Verdict, str]:
     """Commit a step when every live member reports a successful all-reduce.
 
     A successful all-reduce on any member proves every member contributed its gradients, so a
     member lost *after* the collective does not invalidate the step. Any reported failure aborts it.
+    ``require_coverage`` is off for local-sgd merges, which carry parameters, not a global batch.
     """
     for wid in sorted(reports):
         r = reports[wid]
         if not r.ok:
             return Verdict.ABORT, f"{wid} reported: {r.error or 'all-reduce failed'}"
-        if not r.covered_once:
+        if require_coverage and not r.covered_once:
             return Verdict.ABORT, f"{wid}: the global batch was not covered exactly once"
     live_set = set(live)
     live_members = [w for w in members if w in live_set]

@@ -2,6 +2,9 @@
 
 A local run is the multi-machine path with the coordinator on loopback: the same Coordinator,
 TcpTransport and worker code. The launcher also runs the fault plan and writes the run folder.
+With ``network="namespaces"`` every worker runs in a network namespace of its own behind a bridge
+(:mod:`netns`), and partition/bandwidth faults are acted out in the kernel. Coordinator kills and
+kernel faults are the launcher's own (:mod:`launcher_faults`); the FaultInjector gets the rest.
 """
 
 from __future__ import annotations
@@ -11,17 +14,21 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from phalanx.core.auth import generate_token, read_token_file, write_token_file
 from phalanx.core.errors import JobFailed
+from phalanx.core.modes import ModeConfig
 from phalanx.faults.plan import EMPTY_PLAN, FaultPlan
 from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
 from phalanx.membership.failure_detector import DetectorConfig
 from phalanx.membership.quorum import QuorumConfig
 from phalanx.runtime.fault_injector import FaultInjector
+from phalanx.runtime.launcher_faults import CoordinatorHolder, LauncherFaults, split_plan
+from phalanx.runtime.netns import KernelFaults, NamespaceNetwork, NetworkSetupError
 from phalanx.runtime.progress import Progress
 from phalanx.runtime.supervisor import Supervisor
 from phalanx.transport.real_host import RealHost
@@ -29,6 +36,7 @@ from phalanx.transport.tcp import TcpTransport
 
 
 STALL_GRACE_S = 3.0
+NETWORKS = ("loopback", "namespaces")
 
 
 @dataclass
@@ -45,12 +53,14 @@ class LaunchConfig:
     checkpoint_every_steps: int = 0
     data_seed: int = 0
     min_workers: int = 1
+    modes: ModeConfig = ModeConfig()
     detector: DetectorConfig = DetectorConfig()
     collective_timeout_s: float = 5.0
     max_wall_s: float = 1800.0
     stall_timeout_s: float = 60.0
     extra_env: dict[str, str] = field(default_factory=dict)
     show_progress: bool = True
+    network: str = "loopback"  # or "namespaces": one network namespace per worker (root only)
 
 
 @dataclass
@@ -66,16 +76,30 @@ class LaunchResult:
 
 
 def launch(cfg: LaunchConfig) -> LaunchResult:
-    return asyncio.run(_launch(cfg))
+    if cfg.network not in NETWORKS:
+        raise NetworkSetupError(f"unknown network {cfg.network!r}: use one of {', '.join(NETWORKS)}")
+    if cfg.network == "loopback":
+        return asyncio.run(_launch(cfg, None))
+    if cfg.coordinator:
+        raise NetworkSetupError("--network namespaces runs the coordinator embedded on the run's bridge; "
+                                "it cannot be combined with --coordinator")
+    net = NamespaceNetwork(cfg.workers)
+    try:  # torn down here as well as in _launch, so an interrupted run leaves nothing behind either
+        net.setup()
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        net.write_description(cfg.run_dir)
+        return asyncio.run(_launch(cfg, net))
+    finally:
+        net.teardown()
 
 
-def _store() -> Any:
+def _store(host: str = "127.0.0.1") -> Any:
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
 
 
-async def _launch(cfg: LaunchConfig) -> LaunchResult:
+async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResult:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     token_path = Path(cfg.token_file) if cfg.token_file else cfg.run_dir / "token"
@@ -87,6 +111,7 @@ async def _launch(cfg: LaunchConfig) -> LaunchResult:
     events: list[dict[str, Any]] = []
     events_file = open(cfg.run_dir / "events.jsonl", "a", buffering=1)
     injector: FaultInjector | None = None
+    own: LauncherFaults | None = None
     progress = Progress(cfg.workers, cfg.total_steps, enabled=cfg.show_progress)
 
     def on_event(ev: dict[str, Any]) -> None:
@@ -96,60 +121,129 @@ async def _launch(cfg: LaunchConfig) -> LaunchResult:
             events_file.write(json.dumps(ev) + "\n")
         if injector is not None:
             injector.on_event(ev)
+        if own is not None:
+            own.on_event(ev)
         progress.on_event(ev)
 
-    coord: Coordinator | None = None
+    holder: CoordinatorHolder | None = None
     transport = TcpTransport(token, name="coordinator", on_reject=lambda peer, why: on_event(
         {"t": time.monotonic() - t0, "mono": time.monotonic(), "node": "coordinator", "event": "connection_refused",
          "peer": peer, "reason": why}))
     store = None
+    host = net.coordinator_host if net is not None else "127.0.0.1"
+    kernel = KernelFaults(net) if net is not None else None
+    injector_plan, kernel_faults, kills = split_plan(cfg.fault_plan, kernel)
+    for f in kernel_faults:
+        assert kernel is not None
+        kernel.check(f, cfg.fault_plan.path)
     if cfg.coordinator:
         address = cfg.coordinator
+        if kills:
+            raise JobFailed("coordinator_kill needs the embedded coordinator; it cannot kill a remote --coordinator")
     else:
-        store = _store()
-        resume = _resume_point(cfg) if cfg.resume else None
-        ccfg = CoordinatorConfig(detector=cfg.detector,
-                                 quorum=QuorumConfig(min_workers=cfg.min_workers, expected_workers=cfg.workers),
-                                 collective_timeout_s=cfg.collective_timeout_s,
-                                 checkpoint_every_steps=cfg.checkpoint_every_steps, run_dir=str(cfg.run_dir),
-                                 run_id=cfg.run_dir.name)
-        coord = Coordinator(RealHost("coordinator", transport), ccfg, f"127.0.0.1:{store.port}", on_event, resume)
-        address = await coord.start("127.0.0.1:0")
+        store = _store(host)
+        new_coordinator = _coordinator_factory(cfg, transport, f"{host}:{store.port}", on_event)
+        holder = CoordinatorHolder(new_coordinator(_resume_point(cfg) if cfg.resume else None, 0.0))
+        first_mono = time.monotonic()
+        address = await holder.current.start(f"{host}:0")
     env = {**os.environ, **cfg.extra_env, "PHALANX_COORDINATOR": address, "PHALANX_TOKEN_FILE": str(token_path),
            "PHALANX_RUN_DIR": str(cfg.run_dir), "PHALANX_DATA_SEED": str(cfg.data_seed),
            "PYTHONUNBUFFERED": "1"}
-    sup = Supervisor(cfg.argv, env, cfg.run_dir, cfg.workers, cfg.restart_failed)
-    if coord is not None:
-        injector = FaultInjector(cfg.fault_plan, coord, sup)
+    sup = Supervisor(cfg.argv, env, cfg.run_dir, cfg.workers, cfg.restart_failed,
+                     wrap=net.worker_command if net is not None else None)
+    if holder is not None:
+        injector = FaultInjector(injector_plan, holder.current, sup)
+
+        async def restart_coordinator() -> None:
+            """A brand-new coordinator on the same address; it knows only the newest durable
+            checkpoint and what the workers' Hellos tell it (cluster step, highest quorum id)."""
+            assert holder is not None
+            shift_s = time.monotonic() - first_mono
+            new = new_coordinator(_newest_checkpoint(cfg), shift_s)
+            await _start_on(new, address)
+            holder.replace(new, shift_s)
+            if injector is not None:
+                injector.coord = new  # the injector's triggers and injections follow the new incarnation
+
+        own = LauncherFaults(holder, restart_coordinator, lambda event, **kw: on_event(
+            {"t": time.monotonic() - t0, "node": "launcher", "event": event, **kw}))
     sup.start_all()
     ok, reason = False, ""
     inj_task = asyncio.ensure_future(injector.run()) if injector else None
+    own_task = asyncio.ensure_future(own.run(kernel, kernel_faults, kills)) if own and (kernel_faults or kills) else None
     progress.start()
     try:
-        ok, reason = await _supervise(cfg, sup, coord, injector, progress, t0, on_event)
+        ok, reason = await _supervise(cfg, sup, holder, injector, progress, t0, on_event, own_task)
     finally:
         progress.stop()
-        if inj_task:
-            inj_task.cancel()
+        for task in (inj_task, own_task):
+            if task is not None:
+                task.cancel()
         sup.stop_all()
-        if coord is not None:
-            await coord.stop(reason or "job finished")
+        if holder is not None:
+            await holder.current.stop(reason or "job finished")
+        if net is not None:
+            net.teardown()
+        for c in holder.superseded() if holder is not None else []:
+            on_event({"t": time.monotonic() - t0, "node": "launcher", "event": "commit_superseded", "step": c.step,
+                      "quorum_id": c.quorum_id, "reason": "recorded by a coordinator that crashed before any "
+                                                          "worker acted on it; the step was committed again"})
         events_file.close()
     wall_s = time.monotonic() - t0
-    return LaunchResult(ok, reason, wall_s, coord.commits if coord else [], coord.steps_retried if coord else 0,
-                        [r.to_json() for r in injector.records] if injector else [], events,
+    records = sorted([*(injector.records if injector else []), *(own.records if own else [])],
+                     key=lambda r: r.injected_mono)
+    return LaunchResult(ok, reason, wall_s, holder.commits() if holder else [], holder.steps_retried if holder else 0,
+                        [r.to_json() for r in records], events,
                         {"bytes_sent": transport.stats.bytes_sent, "frames_sent": transport.stats.frames_sent,
                          "bytes_received": transport.stats.bytes_received,
                          "frames_received": transport.stats.frames_received,
                          "rejected": transport.stats.rejected})
 
 
-async def _supervise(cfg: LaunchConfig, sup: Supervisor, coord: Coordinator | None, injector: FaultInjector | None,
-                     progress: Progress, t0: float, on_event: Any) -> tuple[bool, str]:
+def _coordinator_factory(cfg: LaunchConfig, transport: TcpTransport, store_address: str,
+                         on_event: Callable[[dict[str, Any]], None]) -> Callable[[tuple[str, int] | None, float], Coordinator]:
+    """Makes coordinator incarnations. Each counts its events' ``t`` from its own start; ``shift_s``
+    (its start after the first's) moves them onto the first incarnation's time axis."""
+    ccfg = CoordinatorConfig(detector=cfg.detector,
+                             quorum=QuorumConfig(min_workers=cfg.min_workers, expected_workers=cfg.workers),
+                             collective_timeout_s=cfg.collective_timeout_s,
+                             checkpoint_every_steps=cfg.checkpoint_every_steps, run_dir=str(cfg.run_dir),
+                             run_id=cfg.run_dir.name, modes=cfg.modes)
+
+    def make(resume: tuple[str, int] | None, shift_s: float) -> Coordinator:
+        def shifted(ev: dict[str, Any]) -> None:
+            ev["t"] = round(ev["t"] + shift_s, 6)
+            on_event(ev)
+
+        return Coordinator(RealHost("coordinator", transport), ccfg, store_address,
+                           shifted if shift_s else on_event, resume)
+
+    return make
+
+
+async def _start_on(coord: Coordinator, address: str, tries: int = 20) -> None:
+    """Listen on exactly ``address`` again: the port the workers reconnect to."""
+    for attempt in range(tries):
+        try:
+            await coord.start(address)
+            return
+        except OSError as e:
+            if attempt == tries - 1:
+                raise JobFailed(f"the restarted coordinator cannot listen on {address} again: {e}") from e
+            await asyncio.sleep(0.1)
+
+
+async def _supervise(cfg: LaunchConfig, sup: Supervisor, holder: CoordinatorHolder | None,
+                     injector: FaultInjector | None, progress: Progress, t0: float, on_event: Any,
+                     own_task: asyncio.Future[Any] | None) -> tuple[bool, str]:
     stalled_since: float | None = None
     while True:
         await asyncio.sleep(0.05)
         now = time.monotonic()
+        if own_task is not None and own_task.done() and not own_task.cancelled() and own_task.exception():
+            # e.g. an `ip` command failed or the coordinator could not listen again: fail loudly
+            return False, f"carrying out the fault plan failed: {own_task.exception()}"
+        coord = holder.current if holder is not None else None
         for w, code in sup.poll():
             ev = {"t": now - t0, "mono": now, "node": "launcher", "event": "worker_exited", "worker": w.worker_id,
                   "exit_code": code}
@@ -180,6 +274,13 @@ async def _supervise(cfg: LaunchConfig, sup: Supervisor, coord: Coordinator | No
             return False, f"the job passed its wall-clock limit of {cfg.max_wall_s:.0f} s"
         if coord is not None:
             progress.update(coord)
+
+
+def _newest_checkpoint(cfg: LaunchConfig) -> tuple[str, int] | None:
+    from phalanx.checkpoint.durable import latest_checkpoint
+
+    found = latest_checkpoint(cfg.run_dir)
+    return (str(found[0]), found[1]) if found is not None else None
 
 
 def _resume_point(cfg: LaunchConfig) -> tuple[str, int]:

@@ -6,8 +6,13 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# index -> (argv to run, extra env): e.g. prefix `ip netns exec NS`, which execs, so the pid we
+# signal is the worker's own
+Wrap = Callable[[int, list[str]], tuple[list[str], dict[str, str]]]
 
 
 @dataclass
@@ -27,13 +32,16 @@ class WorkerProcess:
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        # An exit that poll() has not reported yet still counts as alive, so the launcher never
+        # decides "everyone exited" before it has seen (and possibly restarted) that exit.
+        return self.proc is not None and (self.proc.poll() is None or not self.reported)
 
 
 class Supervisor:
     def __init__(self, argv: list[str], env: dict[str, str], run_dir: Path, count: int,
-                 restart_failed: bool, max_restarts: int = 5, id_prefix: str = "w") -> None:
+                 restart_failed: bool, max_restarts: int = 5, id_prefix: str = "w", wrap: Wrap | None = None) -> None:
         self.argv, self.env, self.run_dir = argv, env, run_dir
+        self.wrap = wrap
         self.restart_failed, self.max_restarts = restart_failed, max_restarts
         self.workers = [WorkerProcess(i, f"{id_prefix}{i}") for i in range(count)]
         (run_dir / "workers").mkdir(parents=True, exist_ok=True)
@@ -45,8 +53,12 @@ class Supervisor:
     def start(self, w: WorkerProcess) -> None:
         env = {**self.env, "PHALANX_WORKER_ID": w.worker_id, "PHALANX_WORKER_INDEX": str(w.index),
                "OMP_NUM_THREADS": self.env.get("OMP_NUM_THREADS", "1")}
+        argv = self.argv
+        if self.wrap is not None:
+            argv, extra = self.wrap(w.index, self.argv)
+            env.update(extra)
         log = open(self.run_dir / "workers" / f"{w.worker_id}.log", "ab")
-        w.proc = subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+        w.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)  # its own group: our Ctrl-C is ours to forward
         log.close()
         w.frozen, w.reported = False, False

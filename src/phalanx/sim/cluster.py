@@ -2,6 +2,11 @@
 time, driven through a fault plan, with the protocol invariants checked as events happen.
 
     result = Cluster(workers=1024, steps=100, seed=7, plan=plan).run()
+
+A ``coordinator_kill`` crashes the coordinator's node and, ``restart_after_s`` later, starts a
+brand-new Coordinator at the same address; the workers reconnect by themselves. The checkers span
+incarnations: ids from a new coordinator stay above every id before (fencing), and a step that a
+live worker applied is never committed again.
 """
 
 from __future__ import annotations
@@ -16,17 +21,26 @@ from typing import Any
 
 import numpy as np
 
+from phalanx.core.errors import FaultPlanError
 from phalanx.faults.plan import EMPTY_PLAN, Fault, FaultKind, FaultPlan
-from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
+from phalanx.membership.coordinator import CommitRecord, Coordinator, CoordinatorConfig
 from phalanx.membership.failure_detector import DetectorConfig
 from phalanx.membership.quorum import QuorumConfig
 from phalanx.sim.host import SimHost
 from phalanx.sim.loop import run_virtual
-from phalanx.sim.network import LinkModel, SimNetwork
+from phalanx.sim.network import Impairment, LinkModel, SimNetwork
 from phalanx.sim.process_group import CollectiveModel, SimProcessGroupFactory
 from phalanx.sim.worker import SimWorker, digest_lines
 from phalanx.sim.workload import RegressionData, SimModelConfig, reference_params
 from phalanx.train import sharding
+
+
+_LINK_KINDS = frozenset({FaultKind.LATENCY, FaultKind.LOSS, FaultKind.BANDWIDTH, FaultKind.DUPLICATE,
+                         FaultKind.REORDER})
+
+
+def _worker_id(worker: int | str) -> str:
+    return worker if isinstance(worker, str) else f"w{worker}"
 
 
 @dataclass
@@ -35,10 +49,41 @@ class SimResult:
     reason: str
     violations: list[str]
     summary: dict[str, Any]
-    commits: list[dict[str, Any]]
+    commits: list[dict[str, Any]]  # one per step: the decision that stuck
     events: list[dict[str, Any]]
     spans: list[dict[str, Any]]
     digest: str
+    applied: list[tuple[float, str, int, int]] = field(default_factory=list)  # (t, worker, step, quorum_id)
+    superseded: list[dict[str, Any]] = field(default_factory=list)  # commit decisions lost with a coordinator
+
+    # ---- accessors for tests and tools ----
+    def events_of(self, kind: str, worker: int | str | None = None) -> list[dict[str, Any]]:
+        wid = None if worker is None else _worker_id(worker)
+        return [e for e in self.events if e["event"] == kind and (wid is None or e.get("worker") == wid)]
+
+    def first(self, kind: str, worker: int | str | None = None, after_s: float = -1.0) -> dict[str, Any] | None:
+        return next((e for e in self.events_of(kind, worker) if e["t"] > after_s), None)
+
+    def committed_by(self, worker: int | str) -> list[int]:
+        """Steps whose committing quorum included this worker."""
+        wid = _worker_id(worker)
+        return [c["step"] for c in self.commits if wid in c["members"]]
+
+    def applied_by(self, worker: int | str) -> list[tuple[float, int]]:
+        """(virtual time, step) of every step this worker applied to its parameters, any incarnation."""
+        wid = _worker_id(worker)
+        return [(t, step) for t, w, step, _ in self.applied if w == wid]
+
+    def commits_between(self, start_s: float, end_s: float) -> list[dict[str, Any]]:
+        return [c for c in self.commits if start_s < c["committed_at_s"] < end_s]
+
+    def quorums(self) -> list[tuple[float, int, list[str]]]:
+        """(time, quorum id, members) of every quorum formed, every coordinator incarnation."""
+        return [(e["t"], e["quorum_id"], e["members"]) for e in self.events_of("quorum_formed")]
+
+    def fault(self, kind: str, index: int = 0) -> dict[str, Any]:
+        """The summary record of the index-th injected fault of this kind (detection/recovery times)."""
+        return [f for f in self.summary["faults"] if f["kind"] == kind][index]
 
 
 @dataclass
@@ -73,6 +118,9 @@ class Cluster:
     def __post_init__(self) -> None:
         self.plan.validate_workers(self.workers)
         self.plan.require_supported("sim")
+        for f in self.plan.faults:
+            if f.kind in _LINK_KINDS:
+                self._scope(f)  # raises a FaultPlanError naming the line now, not mid-run
         if self.model_cfg.global_batch_size < self.workers:
             self.model_cfg = SimModelConfig(**{**vars(self.model_cfg), "global_batch_size": self.workers * 2,
                                                "dataset_size": max(self.model_cfg.dataset_size, self.workers * 16)})
@@ -92,7 +140,8 @@ class Cluster:
         return per_sample_s * samples * jitter * w.straggle_factor
 
     def on_event(self, ev: dict[str, Any]) -> None:
-        ev["mono"] = ev["t"]
+        # One clock for every coordinator incarnation (each counts "t" from its own start).
+        ev["t"] = ev["mono"] = round(self._loop.time(), 6)
         self.events.append(ev)
         kind = ev["event"]
         if kind == "quorum_formed":
@@ -102,12 +151,23 @@ class Cluster:
                 self._violate(f"quorum id {qid} was used by two different member sets")
             if qid < self._last_qid:
                 self._violate(f"quorum id went back from {self._last_qid} to {qid}")
+            if qid <= self._fence_qid:
+                self._violate(f"coordinator incarnation {self._coord_epoch} formed quorum id {qid}, not above "
+                              f"id {self._fence_qid} of a dead incarnation: fencing cannot tell them apart")
             self._last_qid = max(self._last_qid, qid)
+        elif kind == "worker_joined" and (ev["worker"], ev["incarnation"]) in self._killed:
+            self._violate(f"{ev['worker']}'s killed process (incarnation {ev['incarnation']}) joined again")
         elif kind == "step_committed":
-            qid, members = ev["quorum_id"], tuple(ev["members"])
+            qid, members, step = ev["quorum_id"], tuple(ev["members"]), ev["step"]
             if self._quorum_members.setdefault(qid, members) != members:
                 self._violate(f"quorum id {qid} was used by two different member sets")
-            self._committed[ev["step"]] = (qid, set(members))
+            holders = sorted(w.worker_id for w in self.sim_workers
+                             if w.agent is not None and w.agent.last_committed_step >= step)
+            if holders:
+                self._violate(f"step {step} was committed again while {', '.join(holders)} already applied it: "
+                              "a committed step was lost")
+            self._committed[step] = (qid, set(members))
+            self.cluster_step = max(self.cluster_step, step)
         for r in self._records:
             if r.detected_after_s is None and kind == "worker_suspected" and ev.get("worker") in r.targets:
                 r.detected_after_s = self._loop.time() - r.injected_s
@@ -115,6 +175,7 @@ class Cluster:
                 r.recovered_after_s = self._loop.time() - r.injected_s
 
     def on_worker_commit(self, w: SimWorker, step: int, quorum_id: int, digest: str) -> None:
+        self._applied.append((round(self._loop.time(), 6), w.worker_id, step, quorum_id))
         rec = self._committed.get(step)
         if rec is None or rec[0] != quorum_id or w.worker_id not in rec[1]:
             self._violate(f"{w.worker_id} committed step {step} in quorum {quorum_id} outside a committed quorum")
@@ -138,6 +199,13 @@ class Cluster:
         self._committed: dict[int, tuple[int, set[str]]] = {}
         self._step_digest: dict[int, str] = {}
         self._last_qid = 0
+        self._fence_qid = 0  # every id formed by a dead coordinator incarnation
+        self._coord_epoch = 0  # coordinator incarnation
+        # dead incarnations as they were when killed: (start time, commit records, steps retried)
+        self._retired: list[tuple[float, list[CommitRecord], int]] = []
+        self._applied: list[tuple[float, str, int, int]] = []
+        self._killed: set[tuple[str, str]] = set()  # (worker, incarnation) of every killed process
+        self.cluster_step = -1  # highest step committed by any incarnation
         (ok, reason), loop = run_virtual(self._main(), self.seed)
         wall_s = time.perf_counter() - t0
         return self._result(ok, reason, loop.time(), wall_s, loop.timer_events)
@@ -149,11 +217,11 @@ class Cluster:
         self.net.install_task_factory(self._loop)
         self.pgf = SimProcessGroupFactory(self.net, self.collective)
         self.data = RegressionData(self.model_cfg)
-        cnode = self.net.add_node("coordinator")
-        ccfg = CoordinatorConfig(detector=self.detector, quorum=QuorumConfig(min_workers=1, expected_workers=self.workers),
-                                 collective_timeout_s=self.collective_timeout_s, run_id=f"sim-{self.seed}")
-        self.coord = Coordinator(SimHost(self.net, cnode, self.seed), ccfg, "sim-store", self.on_event)
-        self.coordinator_address = await self.net.spawn(cnode, self.coord.start("coordinator"), "start")
+        self._cnode = self.net.add_node("coordinator")
+        self._coord_lock = asyncio.Lock()
+        self._coord_up = False
+        self.sim_workers: list[SimWorker] = []
+        self.coordinator_address = await self._start_coordinator("coordinator", None)
         self.sim_workers = [SimWorker(self, i) for i in range(self.workers)]
         for w in self.sim_workers:
             w.start()
@@ -163,7 +231,52 @@ class Cluster:
         finally:
             for f in faults:
                 f.cancel()
-            await self.coord.stop("simulation finished")
+            if self._coord_up:
+                await self.coord.stop("simulation finished")
+
+    async def _start_coordinator(self, bind: str, resume: tuple[str, int] | None) -> str:
+        """A Coordinator process on the coordinator node; events of an incarnation that has since
+        died are dropped (a SIGKILLed process runs no cleanup: its cancelled tasks' finally blocks
+        are a simulator artifact, not the protocol's output)."""
+        self.net.revive(self._cnode)
+        epoch = self._coord_epoch
+
+        def on_event(ev: dict[str, Any]) -> None:
+            if epoch == self._coord_epoch:
+                self.on_event(ev)
+
+        quorum = QuorumConfig(min_workers=1, expected_workers=self.workers)
+        ccfg = CoordinatorConfig(detector=self.detector, quorum=quorum, collective_timeout_s=self.collective_timeout_s,
+                                 run_id=f"sim-{self.seed}")
+        self._coord_t0 = self._loop.time()
+        self.coord = Coordinator(SimHost(self.net, self._cnode, self.seed), ccfg, "sim-store", on_event, resume=resume)
+        address = await self.net.spawn(self._cnode, self.coord.start(bind), "start")
+        self._coord_up = True
+        return address
+
+    async def _restart_coordinator(self, restart_after_s: float) -> None:
+        async with self._coord_lock:  # a kill that lands while it is down waits for the restart
+            await self._kill_and_restart_coordinator(restart_after_s)
+
+    async def _kill_and_restart_coordinator(self, restart_after_s: float) -> None:
+        self._coord_up = False
+        old = self.coord
+        # what it did after this instant (its cancelled tasks' finally blocks) never happened
+        self._retired.append((self._coord_t0, list(old.commits), old.steps_retried))
+        self._coord_epoch += 1
+        self._fence_qid = self._last_qid
+        self.net.crash(self._cnode)
+        await asyncio.sleep(restart_after_s)
+        # The durable checkpoint a real restart would --resume from; the simulated workers write
+        # none yet (checkpoint_every_steps = 0), so this stays None and the workers' Hellos tell
+        # the new incarnation the cluster step and the highest quorum id.
+        resume = old.checkpoint if old.checkpoint[1] >= 0 else None
+        address = await self._start_coordinator(self.coordinator_address, resume)
+        assert address == self.coordinator_address, "a restarted coordinator listens at the same address"
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """A simulator event (a fault, a heal) in the trace, whether or not a coordinator is up."""
+        self.on_event({"t": 0.0, "node": "coordinator", "event": event, **fields})
 
     async def _wait_done(self) -> tuple[bool, str]:
         last_progress, last_step = self._loop.time(), -1
@@ -172,8 +285,8 @@ class Cluster:
             now = self._loop.time()
             if all(w.finished or w.gone for w in self.sim_workers) and not self._pending_restarts():
                 return True, "all workers finished"
-            if self.coord.cluster_step != last_step:
-                last_step, last_progress = self.coord.cluster_step, now
+            if self.cluster_step != last_step:
+                last_step, last_progress = self.cluster_step, now
             if now - last_progress > 120.0:
                 return False, f"no step committed for 120 virtual s (last step {last_step}): {self.coord.stall_reason}"
             if now > self.max_virtual_s:
@@ -184,11 +297,13 @@ class Cluster:
 
     # ---- faults ----
     async def _trigger(self, f: Fault) -> None:
-        while True:
-            if f.at_step is not None and self.coord.cluster_step + 1 >= f.at_step:
-                return
-            if f.at_s is not None and self._loop.time() >= f.at_s:
-                return
+        """at_s: at that exact virtual instant. at_step = N: within 10 ms after step N-1 commits, so
+        before or early in step N (a poll, so the fault lands at a varying point of the step)."""
+        if f.at_s is not None:
+            await asyncio.sleep(max(0.0, f.at_s - self._loop.time()))
+            return
+        assert f.at_step is not None
+        while self.cluster_step + 1 < f.at_step:
             await asyncio.sleep(0.01)
 
     async def _inject(self, f: Fault) -> None:
@@ -196,13 +311,21 @@ class Cluster:
         now = self._loop.time()
         w = self.sim_workers[f.worker] if f.worker is not None else None
         targets = {w.worker_id} if w else set()
-        rec = _FaultRecord(f, now, self.coord.cluster_step + 1, targets)
+        rec = _FaultRecord(f, now, self.cluster_step + 1, targets)
         self._records.append(rec)
-        self.coord.emit("fault_injected", kind=f.kind.value, worker=w.worker_id if w else None,
+        self.emit("fault_injected", kind=f.kind.value, worker=w.worker_id if w else None,
                         at_step=rec.at_step, description=f.describe())
         k = f.kind
+        if k is FaultKind.COORDINATOR_KILL:
+            rec.targets = {"coordinator"}
+            await self._restart_coordinator(float(f.param("restart_after_s", 1.0)))
+            # the replacement is what notices: detection is its start, recovery its first commit
+            rec.detected_after_s = rec.ended_after_s = self._loop.time() - rec.injected_s
+            return
         if k is FaultKind.KILL:
             assert w is not None
+            if w.agent is not None:
+                self._killed.add((w.worker_id, w.agent.incarnation))
             w.crash()
             if not f.restart:
                 w.gone = True
@@ -222,10 +345,9 @@ class Cluster:
             w.straggle_factor = f.factor
         elif k is FaultKind.PARTITION:
             rec.targets = self._partition(f)
-        elif k in (FaultKind.LATENCY, FaultKind.LOSS, FaultKind.BANDWIDTH):
-            saved = (self.net.link.latency_s, self.net.link.jitter_s, self.net.link.distribution,
-                     self.net.link.loss, self.net.link.bandwidth_bytes_per_s)
-            self._degrade(f)
+        elif k in _LINK_KINDS:
+            impairment = self._impairment(f)
+            self.net.impair(impairment)
         else:
             raise AssertionError(f"fault kind {k.value} reached the simulator unchecked")
         if f.for_s:
@@ -235,10 +357,9 @@ class Cluster:
                 w.straggle_factor = 1.0
             elif k is FaultKind.PARTITION:
                 self.net.heal_partition()
-                self.coord.emit("partition_healed")
-            elif k in (FaultKind.LATENCY, FaultKind.LOSS, FaultKind.BANDWIDTH):
-                link = self.net.link
-                (link.latency_s, link.jitter_s, link.distribution, link.loss, link.bandwidth_bytes_per_s) = saved
+                self.emit("partition_healed")
+            elif k in _LINK_KINDS:
+                self.net.restore(impairment)
 
     def _partition(self, f: Fault) -> set[str]:
         groups = f.param("groups")
@@ -256,23 +377,54 @@ class Cluster:
         self.net.partition(sides, one_way=bool(f.param("one_way", False)))
         return {w for w, s in sides.items() if s != 0}
 
-    def _degrade(self, f: Fault) -> None:
-        link = self.net.link
-        if f.kind is FaultKind.LATENCY:
-            link.latency_s = float(f.param("mean_ms", 0.0)) / 1000
-            link.jitter_s = float(f.param("jitter_ms", 0.0)) / 1000
-            link.distribution = str(f.param("distribution", "normal"))
-        elif f.kind is FaultKind.LOSS:
-            link.loss = float(f.param("probability", 0.0))
+    def _impairment(self, f: Fault) -> Impairment:
+        """The link fields a network fault overrides, on the links it names."""
+        k = f.kind
+        if k is FaultKind.LATENCY:
+            changes: dict[str, Any] = {"latency_s": float(f.param("mean_ms", 0.0)) / 1000,
+                                       "jitter_s": float(f.param("jitter_ms", 0.0)) / 1000,
+                                       "distribution": str(f.param("distribution", "normal"))}
+        elif k is FaultKind.LOSS:
+            changes = {"loss": float(f.param("probability", 0.0))}
+        elif k is FaultKind.BANDWIDTH:
+            changes = {"bandwidth_bytes_per_s": float(f.param("bytes_per_s"))}
+        elif k is FaultKind.DUPLICATE:
+            changes = {"duplicate_probability": float(f.param("probability", 0.0))}
         else:
-            link.bandwidth_bytes_per_s = float(f.param("bytes_per_s", link.bandwidth_bytes_per_s))
+            changes = {"reorder_probability": float(f.param("probability", 0.0)),
+                       "reorder_delay_s": float(f.param("delay_ms", 0.0)) / 1000}
+        nodes, pair = self._scope(f)
+        return Impairment(tuple(sorted(changes.items())), nodes, pair)
+
+    def _scope(self, f: Fault) -> tuple[frozenset[str], frozenset[str]]:
+        workers, pair = f.param("workers"), f.param("pair")
+
+        def bad(problem: str) -> FaultPlanError:
+            return FaultPlanError(self.plan.path, f.line, f"fault #{f.index + 1} ({f.kind.value}): {problem}")
+
+        def ids(v: Any, key: str) -> list[int]:
+            if not isinstance(v, list) or not v or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+                raise bad(f"'{key}' must be a non-empty list of worker indices, got {v!r}")
+            for i in v:
+                if not 0 <= i < self.workers:
+                    raise bad(f"'{key}' names worker {i}, which does not exist in a run of {self.workers} workers")
+            return list(v)
+
+        if workers is not None and pair is not None:
+            raise bad("give 'workers' (their links) or 'pair' (one link), not both")
+        if pair is not None:
+            p = ids(pair, "pair")
+            if len(p) != 2 or p[0] == p[1]:
+                raise bad(f"'pair' must name two different workers, got {pair!r}")
+            return frozenset(), frozenset(f"w{i}" for i in p)
+        if workers is not None:
+            return frozenset(f"w{i}" for i in ids(workers, "workers")), frozenset()
+        return frozenset(), frozenset()
 
     # ---- results ----
     def _result(self, ok: bool, reason: str, virtual_s: float, wall_s: float, timer_events: int) -> SimResult:
-        commits = [{"step": c.step, "quorum_id": c.quorum_id, "members": list(c.members), "loss": c.loss,
-                    "step_s": c.step_s, "committed_at_s": c.committed_at_s, "samples_covered_once": c.covered_once}
-                   for c in self.coord.commits]
-        self._check_end(commits)
+        commits, superseded = self._merged_commits()
+        self._check_end()
         ref_w, ref_losses = reference_params(self.model_cfg, self.steps)
         finals = [w for w in self.sim_workers if w.completed]
         diff = max((float(np.max(np.abs(w.w - ref_w))) for w in finals), default=None)
@@ -287,23 +439,50 @@ class Cluster:
         summary = {
             "ok": ok and not self.violations, "reason": reason if not self.violations else self.violations[0],
             "simulated": True, "seed": self.seed, "workers": self.workers, "steps": self.steps,
-            "steps_committed": len(commits), "steps_retried": self.coord.steps_retried, "faults": faults,
+            "steps_committed": len(commits),
+            "steps_retried": sum(r for _, _, r in self._incarnations()),
+            "faults": faults, "coordinator_restarts": len(self._retired), "commit_decisions_lost": len(superseded),
+            "workers_completed": sum(1 for w in self.sim_workers if w.completed),
+            "workers_incomplete": {w.worker_id: w.ended or "still running" for w in self.sim_workers
+                                   if not w.completed},
             "samples_exactly_once": _exactly_once(commits, self.steps, self.model_cfg),
             "final_loss": commits[-1]["loss"] if commits else None, "reference_final_loss": ref_losses[-1],
             "reference_max_abs_diff": diff, "virtual_s": round(virtual_s, 6), "wall_s": round(wall_s, 3),
             "goodput_steps_per_virtual_s": round(len(commits) / virtual_s, 4) if virtual_s else None,
             "median_step_s": round(float(np.median(step_times)), 6) if step_times else None,
             "timer_events": timer_events, "violations": self.violations,
-            "control_plane": {"bytes_sent": self.net.bytes_sent, "frames_sent": self.net.messages_sent},
+            "control_plane": {"bytes_sent": self.net.bytes_sent, "frames_sent": self.net.messages_sent,
+                              "bytes_duplicated": self.net.bytes_duplicated,
+                              "frames_reordered": self.net.frames_reordered},
             "collectives": self.pgf.collectives,
         }
         return SimResult(summary["ok"], summary["reason"], self.violations, summary, commits, self.events,
-                         self.spans, digest_lines(lines))
+                         self.spans, digest_lines(lines), self._applied, superseded)
 
-    def _check_end(self, commits: list[dict[str, Any]]) -> None:
-        steps = [c["step"] for c in commits]
-        if len(steps) != len(set(steps)):
-            self._violate("a step was committed twice")
+    def _incarnations(self) -> list[tuple[float, list[CommitRecord], int]]:
+        live = [(self._coord_t0, self.coord.commits, self.coord.steps_retried)] if self._coord_up else []
+        return self._retired + live
+
+    def _merged_commits(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Every incarnation's commit records on one clock. A decision that died with its coordinator
+        before any worker applied it is redone by the next one (the checkers prove nobody applied
+        it): the redo is the record that stuck, the lost one is listed as superseded."""
+        by_step: dict[int, dict[str, Any]] = {}
+        superseded: list[dict[str, Any]] = []
+        for t0, records, _ in self._incarnations():
+            steps = [c.step for c in records]
+            if len(steps) != len(set(steps)):
+                self._violate("a coordinator committed a step twice")
+            for c in records:
+                rec = {"step": c.step, "quorum_id": c.quorum_id, "members": list(c.members), "loss": c.loss,
+                       "step_s": c.step_s, "committed_at_s": round(t0 + c.committed_at_s, 6),
+                       "samples_covered_once": c.covered_once}
+                if c.step in by_step:
+                    superseded.append(by_step[c.step])
+                by_step[c.step] = rec
+        return [by_step[s] for s in sorted(by_step)], superseded
+
+    def _check_end(self) -> None:
         times = [e["t"] for e in self.events]
         if any(b < a for a, b in zip(times, times[1:])):
             self._violate("virtual time went backwards in the event trace")

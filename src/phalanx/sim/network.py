@@ -4,13 +4,20 @@ the production coordinator and worker run on it unchanged.
 
 Connections behave like TCP: ordered, reliable while both ends live. A lost packet costs a
 retransmission timeout; a partition holds traffic until it heals (or the connection is closed); a
-crashed process's connections are reset, seen by the peer one latency later.
+crashed process's connections are reset, seen by the peer one latency later. TCP hides duplicated
+and reordered segments from the application, so they cost time and bytes, never order: a duplicated
+frame crosses the sender's egress link twice; a reordered one is held, together with every frame
+behind it on its connection (head-of-line blocking), until its late segment arrives.
+
+Network faults are ``Impairment``s: timed overrides of link fields for every link, the links of
+some nodes, or one pair of nodes; each fault adds one and removes exactly that one when it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import random
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -31,7 +38,10 @@ class LinkModel:
     jitter_s: float = 0.00005
     distribution: str = "normal"  # constant | normal | pareto (long-tailed)
     bandwidth_bytes_per_s: float = 1.25e9  # 10 Gbit/s
-    loss: float = 0.0
+    loss: float = 0.0  # per frame: each loss costs one retransmission timeout
+    duplicate_probability: float = 0.0  # per frame: its bytes cross the link twice
+    reorder_probability: float = 0.0  # per frame: a segment arrives reorder_delay_s late
+    reorder_delay_s: float = 0.0
 
     def sample_latency_s(self, rng: random.Random) -> float:
         if self.distribution == "constant" or self.jitter_s <= 0:
@@ -51,9 +61,28 @@ class SimNode:
     frozen_until_s: float = 0.0
     side: int = 0  # partition side; nodes on different sides cannot talk
     egress_free_at_s: float = 0.0
-    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    tasks: dict[asyncio.Task[Any], None] = field(default_factory=dict)  # insertion-ordered: crash order replays
     connections: set["SimConnection"] = field(default_factory=set)
     listeners: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Impairment:
+    """A timed override of LinkModel fields (a latency, loss, bandwidth, duplicate or reorder fault).
+
+    Scope: every link (no nodes, no pair), the links touching any of ``nodes``, or only the link
+    between the two nodes of ``pair`` (both directions). Where several cover a link, the newest wins
+    field by field.
+    """
+
+    changes: tuple[tuple[str, Any], ...]
+    nodes: frozenset[str] = frozenset()
+    pair: frozenset[str] = frozenset()
+
+    def covers(self, a: str, b: str) -> bool:
+        if self.pair:
+            return a != b and {a, b} == self.pair
+        return not self.nodes or a in self.nodes or b in self.nodes
 
 
 class SimNetwork:
@@ -68,9 +97,14 @@ class SimNetwork:
         self._listeners: dict[str, tuple[SimNode, Callable[[Any], Awaitable[None]]]] = {}
         self._one_way: set[tuple[int, int]] = set()  # (from side, to side) pairs that drop
         self._ports = 0
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # on the wire, duplicates included
         self.messages_sent = 0
+        self.bytes_duplicated = 0
+        self.frames_duplicated = 0
+        self.frames_reordered = 0
         self.partitioned = False
+        self._impairments: list[Impairment] = []  # oldest first
+        self._impaired_links: dict[tuple[str, str], LinkModel] = {}  # cache, cleared on every change
         self._heal_waiters: list[asyncio.Future[None]] = []
 
     # ---- nodes ----
@@ -95,13 +129,16 @@ class SimNetwork:
             ctx = kw.get("context")
             node = ctx.get(_current_node) if ctx is not None else _current_node.get()
             if node is not None:
-                node.tasks.add(task)
-                task.add_done_callback(node.tasks.discard)
+                node.tasks[task] = None
+                task.add_done_callback(lambda t: node.tasks.pop(t, None))
             return task
         loop.set_task_factory(factory)
 
     def crash(self, node: SimNode) -> None:
-        """SIGKILL: every task stops, every connection is reset, listeners vanish."""
+        """SIGKILL: every task stops, every connection is reset, listeners vanish. A cancelled task
+        can swallow its CancelledError (Python 3.11's wait_for does when the awaited future is
+        already done), so every transport call of a dead incarnation raises CancelledError again:
+        a killed process never talks again."""
         node.alive = False
         node.incarnation += 1
         for addr in node.listeners:
@@ -140,16 +177,47 @@ class SimNetwork:
         return bool(self._one_way) and (a.side, b.side) not in self._one_way
 
     def link_between(self, a: SimNode, b: SimNode) -> LinkModel:
-        return self.link if a.rack == b.rack else self.cross_rack
+        base = self.link if a.rack == b.rack else self.cross_rack
+        if not self._impairments:
+            return base
+        key = (a.name, b.name)
+        link = self._impaired_links.get(key)
+        if link is None:
+            changes: dict[str, Any] = {}
+            for imp in self._impairments:
+                if imp.covers(a.name, b.name):
+                    changes.update(imp.changes)
+            link = self._impaired_links[key] = dataclasses.replace(base, **changes) if changes else base
+        return link
 
-    def transfer_delay_s(self, a: SimNode, b: SimNode, nbytes: int, now: float) -> float:
-        """Latency plus serialisation on the sender's egress link (shared by concurrent sends)."""
+    def impair(self, imp: Impairment) -> None:
+        self._impairments.append(imp)
+        self._impaired_links.clear()
+
+    def restore(self, imp: Impairment) -> None:
+        self._impairments.remove(imp)
+        self._impaired_links.clear()
+
+    def transmit(self, a: SimNode, b: SimNode, nbytes: int, now: float) -> float:
+        """One frame from a to b: returns its delay until b may read it, and charges a's egress link
+        (shared by concurrent sends) and the byte counters."""
         link = self.link_between(a, b)
         start = max(now, a.egress_free_at_s)
-        a.egress_free_at_s = start + nbytes / link.bandwidth_bytes_per_s
-        delay = (a.egress_free_at_s - now) + link.sample_latency_s(self.rng)
+        sent_at_s = start + nbytes / link.bandwidth_bytes_per_s
+        a.egress_free_at_s = sent_at_s
+        self.bytes_sent += nbytes
+        delay = (sent_at_s - now) + link.sample_latency_s(self.rng)
         while link.loss > 0 and self.rng.random() < link.loss:
             delay += RTO_S
+        if link.duplicate_probability > 0 and self.rng.random() < link.duplicate_probability:
+            # the copy follows the original onto the wire: later frames wait for it, this one does not
+            a.egress_free_at_s += nbytes / link.bandwidth_bytes_per_s
+            self.bytes_sent += nbytes
+            self.bytes_duplicated += nbytes
+            self.frames_duplicated += 1
+        if link.reorder_probability > 0 and self.rng.random() < link.reorder_probability:
+            delay += link.reorder_delay_s  # the receiver's TCP holds the data until the gap fills
+            self.frames_reordered += 1
         return delay
 
     async def wait_for_heal(self) -> None:
@@ -158,9 +226,17 @@ class SimNetwork:
         await fut
 
     # ---- listeners ----
-    def listen(self, node: SimNode, on_connection: Callable[[Any], Awaitable[None]]) -> str:
-        self._ports += 1
-        addr = f"{node.name}:{self._ports}"
+    def listen(self, node: SimNode, on_connection: Callable[[Any], Awaitable[None]], bind: str = "") -> str:
+        """Listen at ``bind`` if it is one of this node's own ``name:port`` addresses (a restarted
+        server rebinding its port), else at a fresh port (like binding port 0)."""
+        host, _, port = bind.rpartition(":")
+        if host == node.name and port.isdigit() and int(port) > 0:
+            addr = bind
+            if addr in self._listeners:
+                raise TransportError(f"cannot listen on {addr}: address already in use")
+        else:
+            self._ports += 1
+            addr = f"{node.name}:{self._ports}"
         self._listeners[addr] = (node, on_connection)
         node.listeners.append(addr)
         return addr
@@ -182,11 +258,14 @@ class SimConnection:
         self.cid = _cids
         self.net, self.local, self.remote, self.peer = net, local, remote, peer
         self.other: SimConnection | None = None
+        self._incarnation = local.incarnation
         self._inbox: asyncio.Queue[tuple[Any, list[memoryview]] | None] = asyncio.Queue()
         self._closed = False
         self.close_reason = ""
         self._last_delivery_s = 0.0
-        self._pending: deque[tuple[float, tuple[Any, list[memoryview]]]] = deque()
+        self._pending: deque[tuple[float, int, tuple[Any, list[memoryview]]]] = deque()
+        self._sent_seq = 0  # frames (and the FIN) numbered as sent ...
+        self._delivered_seq = 0  # ... and checked as delivered: TCP never reorders a connection
         self._held = False
         local.connections.add(self)
 
@@ -195,18 +274,24 @@ class SimConnection:
         return self._closed
 
     async def send(self, message: Any, buffers: Any = ()) -> None:
+        _check_incarnation(self.local, self._incarnation)
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed ({self.close_reason})")
         bufs = [memoryview(bytes(b)) for b in buffers]  # the receiver gets its own copy
         nbytes = len(msgspec.msgpack.encode(message)) + sum(b.nbytes for b in bufs) + 40
-        self.net.bytes_sent += nbytes
         self.net.messages_sent += 1
         loop = asyncio.get_running_loop()
         now = loop.time()
-        at = max(now + self.net.transfer_delay_s(self.local, self.remote, nbytes, now), self._last_delivery_s)
+        # max(): a frame is readable only after every frame before it (head-of-line blocking)
+        at = max(now + self.net.transmit(self.local, self.remote, nbytes, now), self._last_delivery_s)
+        self._enqueue(at, (message, bufs))
+
+    def _enqueue(self, at: float, item: Any) -> None:
+        assert at >= self._last_delivery_s, "frames of one connection become readable in the order sent"
         self._last_delivery_s = at
-        self._pending.append((at, (message, bufs)))
-        loop.call_at(at, self._pump, self.local.incarnation)
+        self._sent_seq += 1
+        self._pending.append((at, self._sent_seq, item))
+        asyncio.get_running_loop().call_at(at, self._pump, self.local.incarnation)
 
     def _pump(self, incarnation: int) -> None:
         """Deliver due messages strictly in order (TCP): same-instant timers may run in any order,
@@ -226,7 +311,9 @@ class SimConnection:
             if self.remote.frozen_until_s > now:
                 loop.call_at(self.remote.frozen_until_s, self._pump, incarnation)
                 return
-            item = self._pending.popleft()[1]
+            _, seq, item = self._pending.popleft()
+            assert seq == self._delivered_seq + 1, f"connection {self.cid} delivered frame {seq} out of order"
+            self._delivered_seq = seq
             if item is _FIN:
                 other._peer_closed("peer closed the connection")
                 return
@@ -238,6 +325,7 @@ class SimConnection:
         self._pump(incarnation)
 
     async def recv(self) -> tuple[Any, list[memoryview]]:
+        _check_incarnation(self.local, self._incarnation)
         if self._closed and self._inbox.empty():
             raise ConnectionClosed(f"connection to {self.peer} is closed ({self.close_reason})")
         item = await self._inbox.get()
@@ -260,9 +348,7 @@ class SimConnection:
                 self._pending.clear()
                 loop.call_at(at, other._peer_closed, reason)
             else:  # FIN: ordered after everything already sent
-                at = max(at, self._last_delivery_s)
-                self._pending.append((at, _FIN))
-                loop.call_at(at, self._pump, self.local.incarnation)
+                self._enqueue(max(at, self._last_delivery_s), _FIN)
 
     def _peer_closed(self, reason: str) -> None:
         if not self._closed:
@@ -274,8 +360,10 @@ class SimTransport:
 
     def __init__(self, net: SimNetwork, node: SimNode) -> None:
         self.net, self.node = net, node
+        self.incarnation = node.incarnation
 
     async def connect(self, address: str, timeout_s: float) -> SimConnection:
+        _check_incarnation(self.node, self.incarnation)
         target = self.net.lookup(address)
         if target is None or not target[0].alive:
             await asyncio.sleep(self.net.link.latency_s * 2)
@@ -285,6 +373,9 @@ class SimTransport:
             await asyncio.sleep(timeout_s)  # SYNs vanish into the partition
             raise TransportError(f"cannot connect to {address}: timed out")
         await asyncio.sleep(2 * self.net.link_between(self.node, server).sample_latency_s(self.net.rng))
+        _check_incarnation(self.node, self.incarnation)
+        if self.net.lookup(address) is not target:  # the server died during the handshake
+            raise TransportError(f"cannot connect to {address}: connection reset")
         client = SimConnection(self.net, self.node, server, address)
         srv = SimConnection(self.net, server, self.node, self.node.name)
         client.other, srv.other = srv, client
@@ -292,7 +383,13 @@ class SimTransport:
         return client
 
     async def listen(self, address: str, on_connection: Callable[[Any], Awaitable[None]]) -> Any:
-        return _SimListener(self.net, self.net.listen(self.node, on_connection))
+        _check_incarnation(self.node, self.incarnation)
+        return _SimListener(self.net, self.net.listen(self.node, on_connection, address))
+
+
+def _check_incarnation(node: SimNode, incarnation: int) -> None:
+    if node.incarnation != incarnation:
+        raise asyncio.CancelledError(f"{node.name} was killed: its old process cannot use the network")
 
 
 class _SimListener:

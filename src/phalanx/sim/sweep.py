@@ -10,8 +10,11 @@ from pathlib import Path
 
 from phalanx.faults.plan import parse_fault_plan
 from phalanx.sim.cluster import Cluster, SimResult
+from phalanx.sim.scenario import faults_toml as schedule_toml  # one writer of the plan format
 
-KINDS = ("kill", "freeze", "hang", "partition", "loss", "latency", "straggler", "gil_hang")
+KINDS = ("kill", "freeze", "hang", "partition", "loss", "latency", "straggler", "gil_hang", "duplicate", "reorder",
+         "coordinator_kill")
+_LINK_KINDS = ("loss", "latency", "duplicate", "reorder")
 
 
 def random_schedule(seed: int, workers: int, steps: int, max_faults: int = 4) -> list[dict[str, object]]:
@@ -24,8 +27,14 @@ def random_schedule(seed: int, workers: int, steps: int, max_faults: int = 4) ->
         f: dict[str, object] = {"kind": kind, "at_step": rng.randint(1, max(1, steps - 5))}
         if kind in ("kill", "freeze", "hang", "straggler", "gil_hang"):
             f["worker"] = rng.randrange(workers)
-        if kind in ("freeze", "hang", "gil_hang", "partition", "loss", "latency", "straggler"):
+        if kind in ("freeze", "hang", "gil_hang", "partition", "straggler", *_LINK_KINDS):
             f["for_s"] = round(rng.uniform(0.3, 4.0), 2)
+        if kind in _LINK_KINDS and workers > 1:
+            scope = rng.randrange(3)  # every link, one worker's links, or one pair's link
+            if scope == 1:
+                f["workers"] = [rng.randrange(workers)]
+            elif scope == 2:
+                f["pair"] = rng.sample(range(workers), 2)
         if kind == "partition":
             if rng.random() < 0.5:
                 f["isolate"] = rng.randrange(workers)
@@ -39,28 +48,15 @@ def random_schedule(seed: int, workers: int, steps: int, max_faults: int = 4) ->
             f["jitter_ms"] = round(rng.uniform(0, 10), 1)
         elif kind == "straggler":
             f["factor"] = round(rng.uniform(1.5, 4.0), 2)
+        elif kind == "duplicate":
+            f["probability"] = round(rng.uniform(0.01, 0.3), 3)
+        elif kind == "reorder":
+            f["probability"] = round(rng.uniform(0.01, 0.3), 3)
+            f["delay_ms"] = round(rng.uniform(0.5, 20), 1)
+        elif kind == "coordinator_kill":
+            f["restart_after_s"] = round(rng.uniform(0.2, 3.0), 2)
         faults.append(f)
     return faults
-
-
-def schedule_toml(faults: list[dict[str, object]]) -> str:
-    out = []
-    for f in faults:
-        out.append("[[fault]]")
-        for k, v in f.items():
-            out.append(f"{k} = {_toml(v)}")
-        out.append("")
-    return "\n".join(out)
-
-
-def _toml(v: object) -> str:
-    if isinstance(v, str):
-        return f'"{v}"'
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    return str(v)
 
 
 @dataclass

@@ -127,7 +127,7 @@ class SimWorker:
         c = self.cluster
         cfg = c.model_cfg
         gbs = cfg.global_batch_size
-        offset, count = sharding.shard_bounds(gbs, a.rank, a.world_size)
+        offset, count = a.shard_bounds(gbs)  # even, or by measured speed in available mode
         gb = sharding.global_batch(a.step, cfg.dataset_size, gbs, cfg.seed)
         idx = gb[offset : offset + count]
         t0 = host.now()

@@ -17,6 +17,7 @@ becomes a no-op, and when the loop body ends the same step number runs again on 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -53,6 +54,7 @@ class Step:
         self.committed = False
         self.failed = ""
         self._reduced = False
+        self.local = False  # local-sgd: a local step, no all-reduce (merges happen between steps)
 
     number = property(lambda self: self._a.step, doc="the step number (same on every retry)")
     quorum_id = property(lambda self: self._a.quorum_id, doc="the epoch this attempt runs in")
@@ -62,11 +64,18 @@ class Step:
 
     def shard(self, dataset_size: int, global_batch_size: int) -> np.ndarray:
         """This worker's sample indices of this step's fixed global batch."""
-        offset, count = sharding.shard_bounds(global_batch_size, self.rank, self.world_size)
+        offset, count = self._a.shard_bounds(global_batch_size)
         gb = sharding.global_batch(self.number, dataset_size, global_batch_size, self._job.data_seed)
         idx = np.array(gb[offset : offset + count])
         self._shard = (offset, count, idx, global_batch_size, dataset_size)
         return idx
+
+    @property
+    def relative_share(self) -> float:
+        """This shard's size relative to an even split (1.0 in strict mode; <1 for a slow member)."""
+        if self._shard is None or self._shard[3] == 0:
+            return 1.0
+        return self._shard[1] * self.world_size / self._shard[3]
 
     def allreduce_gradients(self, model: torch.nn.Module | None, loss: torch.Tensor | float | None = None) -> bool:
         """Average gradients over the whole global batch across the quorum. Returns True on commit.
@@ -129,9 +138,17 @@ class Job:
         self.agent.state_provider = self._encode_state
 
     # ---- the step loop ----
+    @property
+    def mode(self) -> str:
+        """The run's consistency mode (core.modes): strict, available or local-sgd."""
+        return self.agent.welcome.mode if self.agent.welcome else "strict"
+
     def steps(self, total: int) -> Iterator[Step]:
         if self.model is None:
             raise ConfigError("call job.track(model=..., optimizer=...) before job.steps()")
+        if self.mode == "local-sgd":
+            yield from self._steps_local_sgd(total)
+            return
         step = self.agent.last_committed_step + 1
         try:
             while step < total:
@@ -215,8 +232,14 @@ class Job:
         return encode_training_state(state)
 
     def _allreduce(self, st: Step, model: torch.nn.Module | None, loss: Any) -> bool:
-        compute_s = time.monotonic() - st.started_s
-        self.faults.before_allreduce(st, compute_s)
+        self.faults.before_allreduce(st, time.monotonic() - st.started_s)
+        compute_s = time.monotonic() - st.started_s  # a straggler's stretch counts: it is slow compute
+        if st.local:
+            # local-sgd: the local mean gradient stays as it is and the optimizer steps on it.
+            st.committed = True
+            st.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0.0)
+            self._spans.add("compute", st.started_s, step=st.number, quorum_id=st.quorum_id)
+            return True
         params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         sh = st._shard
         offset, count, idx, gbs = (sh[0], sh[1], sh[2], sh[3]) if sh else (0, 0, np.zeros(0, np.int64), 0)
@@ -238,7 +261,7 @@ class Job:
             return ok, float(t[-1])
 
         t0 = time.monotonic()
-        self._spans.add("compute", st.started_s, step=st.number, quorum_id=st.quorum_id)
+        self._spans.add("compute", st.started_s, step=st.number, quorum_id=st.quorum_id, samples=count)
         try:
             decision = self._call(self.agent.allreduce(st._a, flat, verify, compute_s))
         except (CoordinatorLost, PeerTimeout, CollectiveError) as e:
@@ -271,15 +294,134 @@ class Job:
         self.counters.steps_committed += 1
         self._spans.event("committed", step=st.number, quorum_id=st.quorum_id, loss=st.loss)
         if st._a.write_checkpoint:
-            from phalanx.checkpoint.durable import write_checkpoint
-            from phalanx.checkpoint.state_codec import capture_training_state
+            self._write_checkpoint(st._a, st.number)
 
-            t0 = time.monotonic()
-            state = capture_training_state(self.model, self.optimizer, {"step": st.number})
-            path = write_checkpoint(self.run_dir, st.number, state, {"quorum_id": st.quorum_id,
-                                                                    "members": list(st._a.members)})
-            self._call(self.agent.checkpoint_written(st.number, str(path)))
-            self._spans.add("checkpoint", t0, step=st.number)
+    def _write_checkpoint(self, a: Assignment, step: int) -> None:
+        from phalanx.checkpoint.durable import write_checkpoint
+        from phalanx.checkpoint.state_codec import capture_training_state
+
+        t0 = time.monotonic()
+        state = capture_training_state(self.model, self.optimizer, {"step": step})
+        path = write_checkpoint(self.run_dir, step, state, {"quorum_id": a.quorum_id, "members": list(a.members)})
+        self._call(self.agent.checkpoint_written(step, str(path)))
+        self._spans.add("checkpoint", t0, step=step)
+
+    # ---- local-sgd: local steps, merges every H steps, bounded staleness ----
+    def _steps_local_sgd(self, total: int) -> Iterator[Step]:
+        """Local steps need no coordinator; a merge (a sync round, the coordinator's "step") every
+        ``sync_every_steps``. A failed non-blocking merge is skipped; at ``max_staleness_steps``
+        local steps past the last merge the worker blocks until it merges."""
+        assert self.agent.welcome is not None
+        every, bound = self.agent.welcome.sync_every_steps, self.agent.welcome.max_staleness_steps
+        self._samples_since_merge = 0
+        try:
+            a = self._sync(0, must=True)  # round 0: everyone starts from the same state and ranks
+            if a is None:
+                return
+            k = max(0, a.local_step)
+            merged_at = k
+            while k < total:
+                st = Step(self, dataclasses.replace(a, step=k, heal_from="", heal_targets=(),
+                                                    restore_checkpoint="", write_checkpoint=False))
+                st.local = True
+                self._current = st
+                yield st
+                if not st._reduced:
+                    self._allreduce(st, None, None)
+                if st._shard is not None:
+                    self._samples_since_merge += st._shard[1]
+                k += 1
+                self.counters.steps_committed += 1
+                self._spans.event("local_step", step=k - 1, loss=st.loss, staleness=k - merged_at,
+                                  samples=st._shard[1] if st._shard else 0)
+                if k % every == 0 or k == total or k - merged_at >= bound:
+                    got = self._sync(k, must=(k - merged_at >= bound or k == total))
+                    if got is not None:
+                        a = got
+                        k = max(k, a.local_step)
+                        merged_at = k
+        except JobOver as e:
+            self.ended_reason = str(e)
+            self._current = None
+            self._call(self.agent.goodbye(False, str(e)))
+            return
+        except GeneratorExit:
+            self._call(self.agent.goodbye(False, "loop body raised or exited early"))
+            raise
+        self._current = None
+        self.completed, self.ended_reason = True, "finished"
+        self._call(self.agent.goodbye(True, "finished"))
+
+    def _sync(self, k: int, must: bool) -> Assignment | None:
+        """One merge at local step ``k``. Returns the assignment on commit; None if skipped."""
+        assert self.agent.welcome is not None
+        timeout_s = None if must else self.agent.welcome.sync_timeout_s
+        t0 = time.monotonic()
+        for _ in range(MAX_ATTEMPTS_PER_STEP):
+            if not must and not self.agent.connected:
+                self._spans.event("merge_skipped", step=k, reason="not connected to the coordinator")
+                return None
+            try:
+                a = self._call(self.agent.wait_for_quorum(k, -1, timeout_s))
+                self._prepare(a)
+            except PeerTimeout as e:
+                if must:
+                    raise JobFailed(f"{self.worker_id}: {e}") from e
+                self._spans.event("merge_skipped", step=k, reason=str(e))
+                return None
+            except (CoordinatorLost, QuorumBroken, HealError, StaleEpoch, StateCorrupt) as e:
+                self._spans.event("acquire_retry", step=k, reason=str(e))
+                if isinstance(e, CoordinatorLost):
+                    if not must:
+                        return None
+                    self._call(self.agent.reconnect())
+                continue
+            self._last = a
+            self._spans.add("quorum_wait", t0, step=k, quorum_id=a.quorum_id)
+            if self._merge(a, k):
+                return a
+            if not must:
+                return None
+        raise JobFailed(f"{self.worker_id}: no merge at local step {k} after {MAX_ATTEMPTS_PER_STEP} attempts")
+
+    def _merge(self, a: Assignment, k: int) -> bool:
+        """The merge rule: parameters averaged with weights = samples trained since the member's last
+        merge, plus one (so a member that trained nothing, e.g. just healed, counts a little and the
+        first merge is a plain average of identical states). Optimizer state stays local."""
+        assert self.model is not None
+        params = list(self.model.parameters())
+        weight = float(self._samples_since_merge + 1)
+        last_loss = self._current.loss if self._current is not None and self._current.loss is not None else 0.0
+        flat = torch.cat([*[p.detach().reshape(-1).float() * weight for p in params],
+                          torch.tensor([weight, last_loss * weight])])
+
+        def verify(t: torch.Tensor) -> tuple[bool, float]:
+            return False, float(t[-1] / t[-2])  # no global batch to cover in a merge
+
+        t0 = time.monotonic()
+        try:
+            decision = self._call(self.agent.allreduce(a, flat, verify, 0.0))
+        except (CoordinatorLost, PeerTimeout, CollectiveError) as e:
+            self._spans.add("allreduce", t0, step=k, quorum_id=a.quorum_id, commit=False, reason=str(e))
+            return False
+        if not decision.commit:
+            self._spans.add("allreduce", t0, step=k, quorum_id=a.quorum_id, commit=False, reason=decision.reason)
+            return False
+        total_w = flat[-2]
+        pos = 0
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                p.copy_((flat[pos : pos + n] / total_w).view_as(p).to(p.dtype))
+                pos += n
+        self.agent.committed(a.step)
+        self._samples_since_merge = 0
+        self._spans.add("allreduce", t0, step=k, quorum_id=a.quorum_id, commit=True)
+        self._spans.event("merged", round=a.step, step=k, quorum_id=a.quorum_id, members=list(a.members),
+                          continue_at=max(k, a.local_step), loss=decision.loss)
+        if a.write_checkpoint:
+            self._write_checkpoint(a, a.step)
+        return True
 
     def _rollback(self, st: Step, rng: torch.Tensor) -> None:
         self.counters.steps_retried += 1
@@ -344,7 +486,10 @@ def join(**overrides: Any) -> Job:
         raise ConfigError(f"{e.args[0]} is not set: start this script with `phalanx launch -- python SCRIPT`") from e
     run_dir = Path(env.get("PHALANX_RUN_DIR", "runs/latest"))
     data_seed = int(env.get("PHALANX_DATA_SEED", "0"))
+    import random
+
     from phalanx.collectives.process_group import TorchProcessGroupFactory
+    from phalanx.train.network_faults import NetworkFaults
     from phalanx.transport.real_host import RealHost
     from phalanx.transport.tcp import TcpTransport
 
@@ -353,11 +498,15 @@ def join(**overrides: Any) -> Job:
     thread.start()
     transport = TcpTransport(token, name=worker_id)
     host = RealHost(worker_id, transport)
+    # network faults act at the seams: host.transport becomes a FaultyTransport, groups are wrapped
+    net = NetworkFaults.install(host, coordinator, random.Random(f"net:{data_seed}:{worker_id}"))
     cfg = WorkerConfig(worker_id=worker_id, coordinator_address=coordinator,
                        heal_bind=env.get("PHALANX_HEAL_BIND", "127.0.0.1:0"))
-    agent = WorkerAgent(host, cfg, lambda addr: TorchProcessGroupFactory(addr, token))
+    agent = WorkerAgent(host, cfg, lambda addr: net.wrap(TorchProcessGroupFactory(addr, token)))
     job = Job(agent, loop, run_dir, data_seed, worker_id)
-    agent._on_fault = job.faults.on_fault  # called on the control thread
+    net.log = job._spans.event
+    agent._on_fault = net.route(job.faults.on_fault)  # called on the control thread
     job.faults.install()
-    asyncio.run_coroutine_threadsafe(agent.start(), loop).result(timeout=cfg.connect_timeout_s * 2)
+    asyncio.run_coroutine_threadsafe(agent.start(), loop).result(
+        timeout=cfg.reconnect_timeout_s + 2 * cfg.connect_timeout_s)
     return job

@@ -1,5 +1,6 @@
-"""Strict-mode data semantics: step s has a fixed global batch (seeded permutation per epoch),
-split contiguously over whoever is in the quorum. Pure functions."""
+"""Data semantics: step s has a fixed global batch (seeded permutation per epoch), split
+contiguously over whoever is in the quorum: evenly in strict mode, by measured speed in available
+mode. Pure functions."""
 
 from __future__ import annotations
 
@@ -43,3 +44,24 @@ def shard_bounds(global_batch_size: int, rank: int, world_size: int) -> tuple[in
 def shard(step: int, dataset_size: int, global_batch_size: int, seed: int, rank: int, world_size: int) -> np.ndarray:
     offset, count = shard_bounds(global_batch_size, rank, world_size)
     return global_batch(step, dataset_size, global_batch_size, seed)[offset : offset + count]
+
+
+def weighted_shard_bounds(global_batch_size: int, weights: list[float], rank: int) -> tuple[int, int]:
+    """(offset, count) of rank's contiguous slice when shares follow ``weights`` (available mode).
+
+    Counts are whole samples that sum to the global batch exactly (largest remainder, ties to the
+    lower rank), and every member gets at least one, so the batch is still covered exactly once.
+    """
+    n = len(weights)
+    if n < 1 or n > global_batch_size or not 0 <= rank < n or any(w <= 0 for w in weights):
+        raise ValueError(f"cannot split a batch of {global_batch_size} by weights {weights} for rank {rank}")
+    spare = global_batch_size - n  # one sample each first, the rest by weight
+    total = sum(weights)
+    exact = [spare * w / total for w in weights]
+    counts = [1 + int(x) for x in exact]
+    left = global_batch_size - sum(counts)
+    order = sorted(range(n), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    for i in order[:left]:
+        counts[i] += 1
+    assert sum(counts) == global_batch_size, "shares cover the global batch exactly"
+    return sum(counts[:rank]), counts[rank]

@@ -16,13 +16,14 @@ from typing import Any
 
 from phalanx.collectives.process_group import ProcessGroup, ProcessGroupFactory
 from phalanx.core.errors import (
-    CollectiveError, CoordinatorLost, HealError, JobOver, PeerTimeout, QuorumBroken, StaleEpoch, TransportError,
+    CollectiveError, CoordinatorLost, FrameRejected, HealError, JobOver, PeerTimeout, QuorumBroken, StaleEpoch,
+    TransportError,
 )
 from phalanx.core.host import Connection, Host
 from phalanx.core.messages import (
     AllreduceDone, CheckpointWritten, Goodbye, HealAck, HealChunk, HealDone, HealOffer, HealRequest,
     Heartbeat, Hello, InjectFault, Progress, QuorumAssigned, QuorumBroken as QuorumBrokenMsg,
-    QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
+    QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
 )
 
 # (state header, buffers) of the live training state, captured on demand for a heal
@@ -54,10 +55,20 @@ class Assignment:
     heal_targets: tuple[str, ...]
     restore_checkpoint: str
     write_checkpoint: bool
+    shard_weights: tuple[float, ...] = ()  # available mode: uneven shares by speed (() = even)
+    local_step: int = -1  # local-sgd: the step every member continues from after this merge
 
     @property
     def world_size(self) -> int:
         return len(self.members)
+
+    def shard_bounds(self, global_batch_size: int) -> tuple[int, int]:
+        """(offset, count) of this member's slice of the global batch."""
+        from phalanx.train import sharding
+
+        if self.shard_weights:
+            return sharding.weighted_shard_bounds(global_batch_size, list(self.shard_weights), self.rank)
+        return sharding.shard_bounds(global_batch_size, self.rank, self.world_size)
 
 
 @dataclass(frozen=True)
@@ -98,7 +109,7 @@ class WorkerAgent:
     async def start(self) -> None:
         listener = await self.host.transport.listen(self.cfg.heal_bind, self._serve_heal)
         self.heal_address = listener.address
-        await self._connect()
+        await self.reconnect()  # with backoff: the coordinator may be restarting as this worker starts
         self.host.spawn(self._heartbeats(), "heartbeat")
 
     async def _connect(self) -> None:
@@ -108,7 +119,7 @@ class WorkerAgent:
                               max_quorum_id_seen=self.max_quorum_id_seen, has_state=self.has_state))
         welcome, _ = await asyncio.wait_for(conn.recv(), self.cfg.connect_timeout_s)
         if isinstance(welcome, Refused):
-            raise TransportError(f"coordinator refused this worker: {welcome.reason}")
+            raise FrameRejected(f"coordinator refused this worker: {welcome.reason}")
         assert isinstance(welcome, Welcome), f"expected Welcome, got {type(welcome).__name__}"
         self.welcome, self._conn = welcome, conn
         self._lost.clear()
@@ -122,6 +133,8 @@ class WorkerAgent:
             try:
                 await self._connect()
                 return
+            except FrameRejected:
+                raise  # refused on purpose (wrong token, protocol version, policy): retrying cannot help
             except (TransportError, asyncio.TimeoutError, OSError) as e:
                 if self.host.now() + delay_s > deadline:
                     raise CoordinatorLost(f"coordinator {self.cfg.coordinator_address} unreachable for "
@@ -173,7 +186,8 @@ class WorkerAgent:
     def _dispatch(self, m: Any) -> None:
         if isinstance(m, QuorumAssigned):
             a = Assignment(m.step, m.quorum_id, tuple(m.members), m.rank, m.heal_from, m.heal_address,
-                           tuple(m.heal_targets), m.restore_checkpoint, m.write_checkpoint)
+                           tuple(m.heal_targets), m.restore_checkpoint, m.write_checkpoint,
+                           tuple(m.shard_weights), m.local_step)
             assert a.quorum_id >= self.max_quorum_id_seen, "quorum ids never go back"
             self.max_quorum_id_seen = a.quorum_id
             if self._assignment is not None and not self._assignment.done():
@@ -200,17 +214,27 @@ class WorkerAgent:
         return self._broken[quorum_id]
 
     # ---- the step protocol ----
-    async def wait_for_quorum(self, step: int, total_steps: int = -1) -> Assignment:
-        """Ask for a quorum for our next step; returns this member's assignment."""
+    async def wait_for_quorum(self, step: int, total_steps: int = -1, timeout_s: float | None = None) -> Assignment:
+        """Ask for a quorum for our next step; returns this member's assignment.
+
+        With ``timeout_s`` (local-sgd's non-blocking sync) the request is withdrawn when it expires,
+        so the coordinator does not put a worker that stopped waiting into a quorum.
+        """
         if not self.connected:
             await self.reconnect()
         self._assignment = asyncio.get_running_loop().create_future()
         await self._send(QuorumRequest(step=step, last_committed_step=self.last_committed_step,
                                        has_state=self.has_state, total_steps=total_steps))
+        limit_s = self.cfg.quorum_timeout_s if timeout_s is None else timeout_s
         try:
-            return await asyncio.wait_for(self._assignment, self.cfg.quorum_timeout_s)
+            return await asyncio.wait_for(self._assignment, limit_s)
         except asyncio.TimeoutError as e:
-            raise PeerTimeout(f"no quorum formed within {self.cfg.quorum_timeout_s:.0f} s") from e
+            if timeout_s is not None:
+                try:
+                    await self._send(QuorumCancel(step=step))
+                except CoordinatorLost:
+                    pass
+            raise PeerTimeout(f"no quorum formed within {limit_s:.1f} s") from e
 
     async def process_group(self, a: Assignment) -> ProcessGroup:
         if self._pg is not None and self._pg.quorum_id == a.quorum_id:

@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--global-batch-size", type=int, default=32)
     ap.add_argument("--min-step-s", type=float, default=0.0,
-                    help="pace each step to at least this long (emulates a larger model's compute time)")
+                    help="pace each even-share step to at least this long (emulates a larger model's compute "
+                         "time; a smaller or larger share is paced in proportion)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg, data = build(seed=args.seed, global_batch_size=args.global_batch_size)
@@ -55,8 +56,9 @@ def main() -> None:
 
 
 def _pace(step: "phalanx.train.api.Step", min_step_s: float) -> None:
+    """Emulated compute scales with this worker's share of the batch, as a real model's would."""
     if min_step_s > 0:
-        left = min_step_s - (time.monotonic() - step.started_s)
+        left = min_step_s * step.relative_share - (time.monotonic() - step.started_s)
         if left > 0:
             time.sleep(left)
 

@@ -1,0 +1,224 @@
+"""Protocol specifications written in the scenario vocabulary: each names a guarantee and checks it
+from the run's own record (events, commit records, the steps each worker applied), not just ``ok``."""
+
+import dataclasses
+
+import pytest
+
+from phalanx.core.errors import FaultPlanError
+from phalanx.faults.plan import parse_fault_plan
+from phalanx.sim.scenario import Scenario
+
+
+def _held(r):
+    assert r.ok, (r.reason, r.violations)
+    assert r.summary["samples_exactly_once"] and r.summary["reference_max_abs_diff"] < 1e-9
+
+
+# ---- the vocabulary itself ----
+
+def test_a_scenario_builds_the_faults_a_plan_file_would():
+    s = (Scenario(workers=4, seed=7)
+         .crash(3, at_step=10)
+         .freeze(1, at_s=2.0, for_s=1.5)
+         .partition([0, 1], [2, 3], at_step=20, for_s=5.0)
+         .latency(mean_ms=5, jitter_ms=2, at_s=0)
+         .reorder(probability=0.1, delay_ms=3, at_step=4, for_s=1.0, pair=[0, 2])
+         .kill_coordinator(at_step=30, restart_after_s=0.5))
+    text = ('[[fault]]\nkind = "kill"\nworker = 3\nat_step = 10\n'
+            '[[fault]]\nkind = "freeze"\nworker = 1\nat_s = 2.0\nfor_s = 1.5\n'
+            '[[fault]]\nkind = "partition"\ngroups = [[0, 1], [2, 3]]\nat_step = 20\nfor_s = 5.0\n'
+            '[[fault]]\nkind = "latency"\nmean_ms = 5\njitter_ms = 2\nat_s = 0\n'
+            '[[fault]]\nkind = "reorder"\nprobability = 0.1\ndelay_ms = 3\nat_step = 4\nfor_s = 1.0\npair = [0, 2]\n'
+            '[[fault]]\nkind = "coordinator_kill"\nat_step = 30\nrestart_after_s = 0.5\n')
+
+    def same(faults):
+        return [dataclasses.replace(f, line=0) for f in faults]
+
+    assert same(s.plan.faults) == same(parse_fault_plan(text).faults)
+    assert same(parse_fault_plan(s.toml()).faults) == same(s.plan.faults)  # toml() is the plan file
+
+
+def test_a_bad_scenario_call_fails_at_once_with_the_plan_parsers_message():
+    with pytest.raises(FaultPlanError, match="'for_s' must be a number > 0, got 0"):
+        Scenario(workers=4).freeze(1, at_s=1.0, for_s=0)
+    with pytest.raises(FaultPlanError, match="give exactly one trigger"):
+        Scenario(workers=4).crash(1)
+    with pytest.raises(FaultPlanError, match="'probability' must be in"):
+        Scenario(workers=4).duplicate(probability=1.0, at_step=1)
+    with pytest.raises(FaultPlanError, match="does not exist in a run of 4 workers"):
+        Scenario(workers=4).crash(4, at_step=1).run_until(step=5)
+    with pytest.raises(FaultPlanError, match="'pair' must name two different workers"):
+        Scenario(workers=4).loss(probability=0.1, at_step=1, pair=[2, 2]).run_until(step=5)
+
+
+# ---- membership and commit ----
+
+def test_minority_side_of_partition_never_commits():
+    r = Scenario(workers=5, seed=3).partition([0, 1, 2], [3, 4], at_step=10, for_s=3.0).run_until(step=40)
+    _held(r)
+    cut, healed = r.first("fault_injected")["t"], r.first("partition_healed")["t"]
+    for w in (3, 4):
+        assert not [s for t, s in r.applied_by(w) if cut < t < healed], f"w{w} applied a step while cut off"
+        assert not [c for c in r.commits_between(cut, healed) if f"w{w}" in c["members"]]
+        assert r.first("worker_healed", w, after_s=healed)  # caught up from the majority afterwards
+    majority = r.commits_between(cut, healed)
+    assert len(majority) > 20 and all(c["members"] == ["w0", "w1", "w2"] for c in majority)
+
+
+def test_crashed_worker_restarts_heals_and_rejoins():
+    r = Scenario(workers=4, seed=5).crash(3, at_step=10).run_until(step=70)
+    _held(r)
+    killed = r.first("fault_injected", 3)["t"]
+    assert r.first("worker_suspected", 3)["t"] - killed < 0.01  # the reset connection says so at once
+    joins = r.events_of("worker_joined", 3)
+    assert len(joins) == 2 and joins[1]["incarnation"] != joins[0]["incarnation"]
+    assert joins[1]["last_committed_step"] == -1  # a fresh process has no state ...
+    healed = r.first("worker_healed", 3, after_s=joins[1]["t"])
+    assert healed and healed["step"] > 10  # ... so it copies a peer's, not the initial one
+    rejoined = [s for t, s in r.applied_by(3) if t > healed["t"]]
+    assert rejoined == list(range(healed["step"], 70))  # then it commits every remaining step
+    assert not [c for c in r.commits_between(killed, healed["t"]) if "w3" in c["members"]]
+
+
+def test_frozen_worker_is_suspected_and_rejoins_after_thaw():
+    r = Scenario(workers=4, seed=5).freeze(1, at_step=8, for_s=2.0).run_until(step=60)
+    _held(r)
+    frozen = r.first("fault_injected", 1)["t"]
+    suspected = r.first("worker_suspected", 1)
+    assert suspected["reason"].startswith("no heartbeat") and suspected["t"] - frozen < 1.0
+    back = r.first("worker_alive_again", 1)
+    assert back["t"] >= frozen + 2.0  # not before the thaw
+    assert len(r.events_of("worker_joined", 1)) == 1  # the same process: nothing restarted it
+    assert not [s for t, s in r.applied_by(1) if frozen < t < back["t"]]
+    assert r.first("worker_healed", 1, after_s=back["t"])  # it fell behind, so it heals
+    assert r.committed_by(1)[-1] == 59
+
+
+def test_hung_worker_that_heartbeats_is_caught_by_progress_watch():
+    r = Scenario(workers=4, seed=5).hang(2, at_step=8, for_s=4.0).run_until(step=90)
+    _held(r)
+    hung = r.first("fault_injected", 2)["t"]
+    suspicions = r.events_of("worker_suspected", 2)
+    assert [s["reason"].split(" for")[0] for s in suspicions] == ["no step progress"]  # never "no heartbeat"
+    assert 2.0 <= suspicions[0]["t"] - hung < 2.5  # progress_timeout_s, not the 5 s collective deadline
+    back = r.first("worker_alive_again", 2)
+    assert back["t"] >= hung + 4.0
+    assert [s for t, s in r.applied_by(2) if t > back["t"]][-1] == 89
+
+
+# ---- the coordinator ----
+
+def test_quorum_ids_stay_above_every_id_after_coordinator_restart():
+    r = (Scenario(workers=4, seed=1)
+         .crash(2, at_step=5)  # a membership change first, so the old coordinator used several ids
+         .kill_coordinator(at_step=60, restart_after_s=1.0)
+         .run_until(step=90))
+    _held(r)
+    restarted = r.events_of("coordinator_started")[1]["t"]
+    before = [qid for t, qid, _ in r.quorums() if t < restarted]
+    after = [qid for t, qid, _ in r.quorums() if t >= restarted]
+    assert len(before) >= 2 and after and min(after) > max(before)
+    steps = [c["step"] for c in r.commits]
+    assert steps == list(range(90)) and not r.superseded  # no committed step lost or redone
+    assert r.commits_between(restarted, 1e9)[0]["step"] == r.commits_between(0, restarted)[-1]["step"] + 1
+    assert r.summary["coordinator_restarts"] == 1 and r.summary["workers_completed"] == 4
+    assert len({e["incarnation"] for e in r.events_of("worker_joined", 0)}) == 1  # workers reconnected
+
+
+def test_a_commit_decision_that_dies_with_the_coordinator_is_redone_not_lost():
+    # Kill the coordinator 50 us after it decides step 12: the decision is still in flight to every
+    # worker (latency 200 us), so no worker applies it, and the new coordinator must redo step 12.
+    base = Scenario(workers=4, seed=3).run_until(step=30)
+    decided = next(c["committed_at_s"] for c in base.commits if c["step"] == 12)
+    r = Scenario(workers=4, seed=3).kill_coordinator(at_s=decided + 50e-6).run_until(step=30)
+    _held(r)
+    assert [c["step"] for c in r.superseded] == [12]  # decided by the dead incarnation ...
+    assert not [s for t, s in r.applied_by(0) if s == 12 and t < r.superseded[0]["committed_at_s"] + 0.5]
+    assert [c["step"] for c in r.commits] == list(range(30))  # ... and committed once by the new one
+
+
+# Found by this simulator: a restarted coordinator used to wait initial_wait_s for every expected worker.
+def test_a_restarted_coordinator_does_not_wait_the_job_start_window_for_a_dead_worker():
+    r = (Scenario(workers=4, seed=1)
+         .crash(3, at_step=5, restart=False)
+         .kill_coordinator(at_step=10, restart_after_s=0.5)
+         .run_until(step=30))
+    _held(r)
+    restarted = r.events_of("coordinator_started")[1]["t"]
+    assert r.first("quorum_formed", after_s=restarted)["t"] - restarted < 5.0
+
+
+# Found by this simulator: WorkerAgent.start() used to connect once and give up during an outage.
+def test_a_worker_restarted_during_a_coordinator_outage_rejoins():
+    r = (Scenario(workers=4, seed=1)
+         .crash(3, at_step=10)  # its restart, 2 s later, falls inside the coordinator's 3 s outage
+         .kill_coordinator(at_step=12, restart_after_s=3.0)
+         .run_until(step=40))
+    assert r.ok, (r.reason, r.violations)
+    assert r.summary["workers_completed"] == 4, r.summary["workers_incomplete"]
+
+
+# ---- the cross-incarnation checkers catch a coordinator that forgets ----
+
+def _restart_run():
+    return (Scenario(workers=4, seed=1).crash(2, at_step=5).kill_coordinator(at_step=20, restart_after_s=0.5)
+            .run_until(step=40))
+
+
+def test_the_checkers_catch_a_restarted_coordinator_that_reuses_old_quorum_ids(monkeypatch):
+    from phalanx.membership import coordinator
+
+    real = coordinator.decide_quorum
+
+    def forget_worker_ids(now, members, view, cfg):  # ignores the ids the workers' Hellos report
+        return real(now, members, dataclasses.replace(view, max_id_seen=0), cfg)
+
+    monkeypatch.setattr(coordinator, "decide_quorum", forget_worker_ids)
+    r = _restart_run()
+    assert not r.ok and any("fencing cannot tell them apart" in v for v in r.violations), r.violations
+
+
+def test_the_checkers_catch_a_restarted_coordinator_that_loses_committed_steps(monkeypatch):
+    import msgspec
+
+    from phalanx.membership.coordinator import Coordinator
+
+    real = Coordinator._admit
+
+    def forget_progress(self, hello, conn):  # as if the Hellos said nothing about the workers' state
+        return real(self, msgspec.structs.replace(hello, has_state=False, last_committed_step=-1), conn)
+
+    monkeypatch.setattr(Coordinator, "_admit", forget_progress)
+    r = _restart_run()
+    assert not r.ok and any("a committed step was lost" in v for v in r.violations), r.violations
+
+
+def test_new_fault_kinds_replay_identically_under_any_hash_seed():
+    import os
+    import subprocess
+    import sys
+
+    code = ("from phalanx.sim.scenario import Scenario;"
+            "r = (Scenario(workers=5, seed=9).duplicate(probability=0.2, at_step=2, for_s=1.0, workers=[1])"
+            ".reorder(probability=0.2, delay_ms=4, at_step=3, for_s=1.0).loss(probability=0.05, at_step=4, pair=[0, 3])"
+            ".crash(4, at_step=6).kill_coordinator(at_step=8, restart_after_s=0.4).run_until(step=20));"
+            "assert r.ok, r.violations; print(r.digest)")
+    digests = set()
+    for hashseed in ("0", "4242"):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": hashseed},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        digests.add(out.stdout.strip().splitlines()[-1])
+    assert len(digests) == 1
+
+
+def test_a_killed_worker_process_never_talks_again():
+    # seed 22 kills w2 while it waits for a quorum: the cancelled wait_for can swallow the
+    # cancellation (Python 3.11) and reconnect as the old process unless the network refuses it
+    r = Scenario(workers=4, seed=22).crash(2, at_step=6).run_until(step=15)
+    _held(r)
+    killed = r.first("fault_injected", 2)["t"]
+    joins = r.events_of("worker_joined", 2)
+    assert [e["incarnation"] for e in joins if e["t"] > killed] == [joins[-1]["incarnation"]]
+    assert joins[-1]["incarnation"] != joins[0]["incarnation"]
