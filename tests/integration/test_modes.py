@@ -64,3 +64,23 @@ def test_local_sgd_worker_killed_mid_run_heals_at_the_next_merge_and_the_bound_h
     evs = events(tmp_path / "run")
     assert any(e["event"] == "worker_restarted" and e["worker"] == "w1" for e in evs)
     assert any(e["event"] == "worker_healed" and e["worker"] == "w1" for e in evs)
+
+
+def test_local_sgd_both_sides_of_a_partition_keep_training_and_merge_on_heal(tmp_path):
+    modes = ModeConfig(mode=ConsistencyMode.LOCAL_SGD, sync_every_steps=5, max_staleness_steps=15)
+    plan = '[[fault]]\nkind = "partition"\ngroups = [[0, 1], [2]]\nat_step = 2\nfor_s = 2.5\n'
+    s = train(tmp_path, plan, workers=3, steps=200, min_step_s=0.03, modes=modes)
+    assert s["ok"], s.get("reason")
+    run = tmp_path / "run"
+    w2 = _spans(run, "w2")
+    begin = next(e["mono"] for e in w2 if e.get("event") == "network_fault_begin")
+    end = next(e["mono"] for e in w2 if e.get("event") == "network_fault_end")
+    inside = [e for e in w2 if e.get("event") == "local_step" and begin + 0.2 < e["mono"] < end]
+    assert inside, "the cut-off worker kept taking local steps"
+    assert max(e["staleness"] for e in w2 if e.get("event") == "local_step") <= 15
+    assert not [e for e in w2 if e.get("event") == "merged" and begin + 0.2 < e["mono"] < end]
+    majority = [e for e in _spans(run, "w0") if e.get("event") == "merged" and begin + 0.2 < e["mono"] < end]
+    assert majority and all("w2" not in e["members"] for e in majority)  # the other side merged on its own
+    after = [e for e in w2 if e.get("event") == "merged" and e["mono"] > end]
+    assert after and "w0" in after[0]["members"]  # merged back in, not healed over
+    assert not any(e["event"] == "worker_healed" and e["worker"] == "w2" and e["mono"] > begin for e in events(run))

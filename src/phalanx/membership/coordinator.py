@@ -319,9 +319,12 @@ class Coordinator:
     async def _ticker(self) -> None:
         while not self._stopped:
             await self.host.sleep(self.cfg.tick_s)
-            healthy = [s for s in self.sessions.values() if s.healthy]
-            self._healthy_n = len(healthy)
-            self._waiting_n = sum(1 for s in healthy if s.waiting)
+            healthy_n = waiting_n = 0
+            for s in self.sessions.values():
+                if s.healthy:
+                    healthy_n += 1
+                    waiting_n += s.waiting
+            self._healthy_n, self._waiting_n = healthy_n, waiting_n
             self._form_blocked = False
             self._evaluate(from_tick=True)
 
@@ -369,7 +372,10 @@ class Coordinator:
         return [r / total for r in raw]
 
     def _detect(self, now: float) -> None:
-        alive = {w: fd.Liveness(s.connected, s.last_heartbeat_s) for w, s in self.sessions.items() if s.healthy}
+        # Only sessions that could be suspects go to the pure decision (cheap pre-filter at scale).
+        stale_before = now - self.cfg.detector.heartbeat_timeout_s
+        alive = {w: fd.Liveness(s.connected, s.last_heartbeat_s) for w, s in self.sessions.items()
+                 if s.healthy and (s.last_heartbeat_s < stale_before or not s.connected)}
         for sus in fd.heartbeat_suspects(now, alive, self.cfg.detector):
             self._suspect(self.sessions[sus.worker_id], sus.reason)
         q = self.quorum

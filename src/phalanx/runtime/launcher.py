@@ -116,6 +116,8 @@ async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResu
 
     def on_event(ev: dict[str, Any]) -> None:
         ev.setdefault("mono", round(time.monotonic(), 6))  # the clock worker span logs use too
+        if ev.get("event") == "quorum_formed":
+            _write_id_floor(cfg.run_dir, int(ev["quorum_id"]))  # before any assignment leaves the process
         events.append(ev)
         if not events_file.closed:  # late events during shutdown are kept in memory only
             events_file.write(json.dumps(ev) + "\n")
@@ -160,6 +162,9 @@ async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResu
             assert holder is not None
             shift_s = time.monotonic() - first_mono
             new = new_coordinator(_newest_checkpoint(cfg), shift_s)
+            # Ids above every id the dead coordinator issued, even ones only a worker that has not
+            # reconnected yet has seen: the floor is on disk, written before each new id went out.
+            new.max_id_seen = max(new.max_id_seen, _read_id_floor(cfg.run_dir))
             await _start_on(new, address)
             holder.replace(new, shift_s)
             if injector is not None:
@@ -198,6 +203,22 @@ async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResu
                          "bytes_received": transport.stats.bytes_received,
                          "frames_received": transport.stats.frames_received,
                          "rejected": transport.stats.rejected})
+
+
+ID_FLOOR_FILE = "quorum_id_floor"
+
+
+def _write_id_floor(run_dir: Path, quorum_id: int) -> None:
+    tmp = run_dir / (ID_FLOOR_FILE + ".tmp")
+    tmp.write_text(str(quorum_id))
+    os.replace(tmp, run_dir / ID_FLOOR_FILE)
+
+
+def _read_id_floor(run_dir: Path) -> int:
+    try:
+        return int((run_dir / ID_FLOOR_FILE).read_text())
+    except (OSError, ValueError):
+        return 0
 
 
 def _coordinator_factory(cfg: LaunchConfig, transport: TcpTransport, store_address: str,

@@ -20,7 +20,7 @@ class SimHost:
         self._on_log = on_log
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
+        return asyncio.get_running_loop().time()  # the virtual clock
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
