@@ -23,6 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--racks", type=int, default=1, help="racks under a spine (cross-rack links are slower)")
     r.add_argument("--out", help="run folder (default runs/sim-TIMESTAMP)")
     r.add_argument("--no-baseline", action="store_true", help="skip the fault-free run used for goodput")
+    r.add_argument("--mode", default="strict", choices=["strict", "available"],
+                   help="consistency mode of the simulated run (default strict)")
     r.set_defaults(fn=_run)
     sw = ssub.add_parser("sweep", help="random fault schedules over many seeds, invariants checked")
     sw.add_argument("--seeds", type=int, default=20)
@@ -35,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def _run(args: argparse.Namespace) -> int:
     from phalanx.faults.plan import EMPTY_PLAN, load_fault_plan
+    from phalanx.core.modes import ModeConfig
     from phalanx.sim.cluster import Cluster
     from phalanx.sim.output import write_run
 
@@ -43,7 +46,8 @@ def _run(args: argparse.Namespace) -> int:
 
     def cluster(p: object) -> Cluster:
         return Cluster(workers=args.workers, steps=args.steps, seed=args.seed, plan=p,  # type: ignore[arg-type]
-                       step_compute_s=args.step_compute_s, racks=args.racks)
+                       step_compute_s=args.step_compute_s, racks=args.racks,
+                       modes=ModeConfig(mode=ModeConfig.parse(args.mode)))
 
     print(f"simulating {args.workers} workers x {args.steps} steps, seed {args.seed}, plan {plan.name} ...",
           file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from phalanx.core.errors import FaultPlanError
+from phalanx.core.errors import ConfigError, FaultPlanError
 from phalanx.faults.plan import EMPTY_PLAN, Fault, FaultKind, FaultPlan
 from phalanx.membership.coordinator import CommitRecord, Coordinator, CoordinatorConfig
 from phalanx.membership.failure_detector import DetectorConfig
@@ -31,6 +31,7 @@ from phalanx.sim.loop import run_virtual
 from phalanx.sim.network import Impairment, LinkModel, SimNetwork
 from phalanx.sim.process_group import CollectiveModel, SimProcessGroupFactory
 from phalanx.sim.worker import SimWorker, digest_lines
+from phalanx.core.modes import ConsistencyMode, ModeConfig
 from phalanx.sim.workload import RegressionData, SimModelConfig, reference_params
 from phalanx.train import sharding
 
@@ -114,8 +115,12 @@ class Cluster:
     collective_timeout_s: float = 5.0
     max_virtual_s: float = 3600.0
     record_spans: bool | None = None  # default: only for small clusters
+    modes: ModeConfig = field(default_factory=ModeConfig)  # strict or available (local-sgd: real runs only)
 
     def __post_init__(self) -> None:
+        if self.modes.mode is ConsistencyMode.LOCAL_SGD:
+            raise ConfigError("the simulator runs the strict and available modes; local-sgd runs on real "
+                              "workers only (its local-step loop lives in the torch facade)")
         self.plan.validate_workers(self.workers)
         self.plan.require_supported("sim")
         for f in self.plan.faults:
@@ -247,7 +252,7 @@ class Cluster:
 
         quorum = QuorumConfig(min_workers=1, expected_workers=self.workers)
         ccfg = CoordinatorConfig(detector=self.detector, quorum=quorum, collective_timeout_s=self.collective_timeout_s,
-                                 run_id=f"sim-{self.seed}")
+                                 run_id=f"sim-{self.seed}", modes=self.modes)
         self._coord_t0 = self._loop.time()
         self.coord = Coordinator(SimHost(self.net, self._cnode, self.seed), ccfg, "sim-store", on_event, resume=resume)
         address = await self.net.spawn(self._cnode, self.coord.start(bind), "start")
