@@ -10,7 +10,8 @@ from phalanx.runtime.train_job import TrainOptions, run_train
 def train(tmp_path: Path, plan: str = "", workers: int = 3, steps: int = 40, name: str = "run", **kw) -> dict:
     opts = TrainOptions(workers=workers, steps=steps, run_dir=tmp_path / name,
                         fault_plan=parse_fault_plan(plan, "<test>") if plan else None, show_progress=False,
-                        checkpoint_every_steps=kw.pop("checkpoint_every_steps", 0), **kw)
+                        checkpoint_every_steps=kw.pop("checkpoint_every_steps", 0),
+                        report=kw.pop("report", False), **kw)  # the report has its own tests
     return run_train(opts)
 
 

@@ -59,6 +59,9 @@ def _run(args: argparse.Namespace) -> int:
         g, g0 = res.summary["goodput_steps_per_virtual_s"], base["goodput_steps_per_virtual_s"]
         extra = {"baseline_goodput_steps_per_virtual_s": g0, "goodput_vs_fault_free": round(g / g0, 4) if g0 else None}
     write_run(res, out, extra)
+    from phalanx.obs.report import write_report
+
+    write_report(out)  # report.html + trace.json: the same tools read real and simulated runs
     s = {**res.summary, **extra}
     _print_summary(s, out)
     return 0 if res.ok else 1

@@ -32,6 +32,7 @@ class TrainOptions:
     global_batch_size: int = 32
     min_step_s: float = 0.0  # pace steps (emulated compute); the reference is unaffected
     modes: ModeConfig = ModeConfig()  # consistency mode (core.modes): strict, available, local-sgd
+    report: bool = True  # write report.html and trace.json into the run folder at the end
     network: str = "loopback"  # or "namespaces": each worker in its own network namespace (root only)
 
 
@@ -44,6 +45,8 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     plan.require_supported("real")
     if opts.resume:
         _supersede_after_checkpoint(opts.run_dir)
+    else:
+        clear_run_outputs(opts.run_dir)
     argv = python_argv("phalanx.workload.charlm_train", "--steps", str(opts.steps), "--seed", str(opts.seed),
                        "--global-batch-size", str(opts.global_batch_size), "--min-step-s", str(opts.min_step_s))
     res = launch(LaunchConfig(argv=argv, workers=opts.workers, run_dir=opts.run_dir, fault_plan=plan,
@@ -57,6 +60,8 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     if opts.reference and res.ok:
         ref_summary, ref = compare_with_reference(opts)
         summary.update(ref_summary)
+        with open(opts.run_dir / "reference.jsonl", "w") as f:
+            f.writelines(json.dumps({"step": i, "loss": x}) + "\n" for i, x in enumerate(ref.losses))
     from phalanx.runtime.mode_metrics import mode_metrics
 
     summary["mode_metrics"] = mode_metrics(opts.run_dir, opts.modes.mode.value, opts.steps, opts.seed,
@@ -67,6 +72,10 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     if res.ok and not summary["ok"]:
         summary["reason"] = why
     (opts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if opts.report:
+        from phalanx.obs.report import write_report
+
+        write_report(opts.run_dir)
     return summary
 
 
@@ -89,6 +98,25 @@ def _guarantee_held(opts: TrainOptions, launched_ok: bool, summary: dict[str, An
         return False, ("no final parameters to compare" if d is None
                        else f"parameters differ from the reference by {d:.2e} > {STRICT_TOLERANCE:g}")
     return True, ""
+
+
+RUN_OUTPUTS = ("events.jsonl", "metrics.jsonl", "reference.jsonl", "metrics.superseded.jsonl", "summary.json", "quorum_id_floor",
+               "report.html", "trace.json", "network.json")
+
+
+def clear_run_outputs(run_dir: Path) -> None:
+    """A fresh run in a folder that held an earlier one: remove what phalanx wrote there (and only
+    that), so logs are not appended to the old run's and old checkpoints are not restored."""
+    import shutil
+
+    if not run_dir.exists():
+        return
+    for name in RUN_OUTPUTS:
+        (run_dir / name).unlink(missing_ok=True)
+    for p in run_dir.glob("final_*.safetensors"):
+        p.unlink()
+    for sub in ("workers", "checkpoints", "plots"):
+        shutil.rmtree(run_dir / sub, ignore_errors=True)
 
 
 def _supersede_after_checkpoint(run_dir: Path) -> None:

@@ -72,10 +72,11 @@ class Step:
 
     @property
     def relative_share(self) -> float:
-        """This shard's size relative to an even split (1.0 in strict mode; <1 for a slow member)."""
+        """This shard's size relative to an even split over the largest quorum seen (1.0 with every
+        worker in; more when members are missing; less for a slow member in available mode)."""
         if self._shard is None or self._shard[3] == 0:
             return 1.0
-        return self._shard[1] * self.world_size / self._shard[3]
+        return self._shard[1] * max(self.world_size, self._job.max_world_size) / self._shard[3]
 
     def allreduce_gradients(self, model: torch.nn.Module | None, loss: torch.Tensor | float | None = None) -> bool:
         """Average gradients over the whole global batch across the quorum. Returns True on commit.
@@ -107,6 +108,7 @@ class Job:
         self.ended_reason = ""
         self._current: Step | None = None
         self._last: Assignment | None = None
+        self.max_world_size = 1  # the largest quorum this worker has been in
         self.faults = InProcessFaults(self)
         self._spans = _SpanLog(run_dir / "workers" / f"{worker_id}.jsonl", worker_id)
 
@@ -188,6 +190,7 @@ class Job:
                 a = self._call(self.agent.wait_for_quorum(step, total))
                 self._prepare(a)
                 self._last = a
+                self.max_world_size = max(self.max_world_size, a.world_size)
                 self._spans.add("quorum_wait", t0, step=a.step, quorum_id=a.quorum_id)
                 return a
             except (CoordinatorLost, QuorumBroken, HealError, StaleEpoch, StateCorrupt) as e:
@@ -377,6 +380,7 @@ class Job:
                     self._call(self.agent.reconnect())
                 continue
             self._last = a
+            self.max_world_size = max(self.max_world_size, a.world_size)
             self._spans.add("quorum_wait", t0, step=k, quorum_id=a.quorum_id)
             if self._merge(a, k):
                 return a

@@ -31,8 +31,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--global-batch-size", type=int, default=32)
     ap.add_argument("--min-step-s", type=float, default=0.0,
-                    help="pace each even-share step to at least this long (emulates a larger model's compute "
-                         "time; a smaller or larger share is paced in proportion)")
+                    help="pace each step to at least this long with every worker in (emulates a larger model's "
+                         "compute; a larger or smaller share of the batch is paced in proportion)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg, data = build(seed=args.seed, global_batch_size=args.global_batch_size)
