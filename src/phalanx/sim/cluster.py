@@ -116,6 +116,7 @@ class Cluster:
     max_virtual_s: float = 3600.0
     record_spans: bool | None = None  # default: only for small clusters
     modes: ModeConfig = field(default_factory=ModeConfig)  # strict or available (local-sgd: real runs only)
+    process_exit_s: float = 0.0  # a killed process's sockets reset this long after the kill
 
     def __post_init__(self) -> None:
         if self.modes.mode is ConsistencyMode.LOCAL_SGD:
@@ -218,7 +219,7 @@ class Cluster:
     async def _main(self) -> tuple[bool, str]:
         self._loop = asyncio.get_running_loop()
         self._rng = random.Random(f"compute:{self.seed}")
-        self.net = SimNetwork(self.seed, self.link, self.racks)
+        self.net = SimNetwork(self.seed, self.link, self.racks, process_exit_s=self.process_exit_s)
         self.net.install_task_factory(self._loop)
         self.pgf = SimProcessGroupFactory(self.net, self.collective)
         self.data = RegressionData(self.model_cfg)

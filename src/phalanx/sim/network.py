@@ -87,8 +87,11 @@ class Impairment:
 
 class SimNetwork:
     def __init__(self, seed: int, link: LinkModel | None = None, racks: int = 1,
-                 cross_rack: LinkModel | None = None) -> None:
+                 cross_rack: LinkModel | None = None, process_exit_s: float = 0.0) -> None:
         self.rng = random.Random(f"net:{seed}")
+        # How long the OS takes to tear a killed process down and reset its sockets (a process
+        # with torch loaded unmaps a lot of memory first); measured by the fidelity benchmark.
+        self.process_exit_s = process_exit_s
         self.link = link or LinkModel()
         self.cross_rack = cross_rack or LinkModel(latency_s=self.link.latency_s * 5, jitter_s=self.link.jitter_s * 5,
                                                   bandwidth_bytes_per_s=self.link.bandwidth_bytes_per_s / 4)
@@ -145,7 +148,10 @@ class SimNetwork:
             self._listeners.pop(addr, None)
         node.listeners.clear()
         for c in sorted(node.connections, key=lambda c: c.cid):
-            c.close("peer process died", reset=True)
+            if self.process_exit_s > 0:
+                asyncio.get_running_loop().call_later(self.process_exit_s, c.close, "peer process died", True)
+            else:
+                c.close("peer process died", reset=True)
         for t in list(node.tasks):
             t.cancel()
         node.tasks.clear()
