@@ -84,3 +84,17 @@ def test_local_sgd_both_sides_of_a_partition_keep_training_and_merge_on_heal(tmp
     after = [e for e in w2 if e.get("event") == "merged" and e["mono"] > end]
     assert after and "w0" in after[0]["members"]  # merged back in, not healed over
     assert not any(e["event"] == "worker_healed" and e["worker"] == "w2" and e["mono"] > begin for e in events(run))
+
+
+def test_available_mode_minority_of_a_partition_never_commits_and_samples_stay_exactly_once(tmp_path):
+    plan = '[[fault]]\nkind = "partition"\ngroups = [[0, 1], [2]]\nat_step = 6\nfor_s = 2.0\n'
+    s = train(tmp_path, plan, workers=3, steps=45, min_step_s=0.08, modes=ModeConfig(mode=ConsistencyMode.AVAILABLE))
+    assert s["ok"], s.get("reason")
+    assert s["samples_exactly_once"] is True
+    run = tmp_path / "run"
+    w2 = _spans(run, "w2")
+    begin = next(e["mono"] for e in w2 if e.get("event") == "network_fault_begin")
+    end = next(e["mono"] for e in w2 if e.get("event") == "network_fault_end")
+    cut_step = s["faults"][0]["at_step"]
+    assert not [e for e in w2 if e.get("event") == "committed" and begin < e["mono"] < end and e["step"] >= cut_step]
+    assert [e for e in w2 if e.get("event") == "committed" and e["mono"] > end], "w2 rejoined after the heal"

@@ -236,3 +236,15 @@ def test_available_mode_in_the_simulator_hands_a_straggler_less_work_and_stays_e
     assert avail.summary["samples_exactly_once"] and avail.summary["reference_max_abs_diff"] <= 1e-9
     # the straggler no longer sets the pace: the same 30 steps take less virtual time
     assert avail.summary["virtual_s"] < 0.8 * strict.summary["virtual_s"]
+
+
+def test_sizes_only_collectives_charge_a_large_models_gradient_bytes():
+    from phalanx.faults.plan import EMPTY_PLAN
+    from phalanx.sim.cluster import Cluster
+
+    small = Cluster(workers=8, steps=10, seed=1, plan=EMPTY_PLAN).run()
+    large = Cluster(workers=8, steps=10, seed=1, plan=EMPTY_PLAN, gradient_bytes=2_000_000_000).run()
+    assert small.ok and large.ok
+    # 8-rank ring at 1.25 GB/s: 2 * 7/8 * 2 GB / 1.25 GB/s = 2.8 s more per step, the sum still exact
+    extra_s = (large.summary["virtual_s"] - small.summary["virtual_s"]) / 10
+    assert 2.5 < extra_s < 3.2 and large.summary["reference_max_abs_diff"] <= 1e-9

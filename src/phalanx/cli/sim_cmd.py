@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--racks", type=int, default=1, help="racks under a spine (cross-rack links are slower)")
     r.add_argument("--out", help="run folder (default runs/sim-TIMESTAMP)")
     r.add_argument("--no-baseline", action="store_true", help="skip the fault-free run used for goodput")
+    r.add_argument("--gradient-bytes", type=float, default=0,
+                   help="charge all-reduces for a model of this many gradient bytes, e.g. 14e9 for 7B "
+                        "params in fp16 (sizes only; the arithmetic stays on the small model)")
     r.add_argument("--mode", default="strict", choices=["strict", "available"],
                    help="consistency mode of the simulated run (default strict)")
     r.set_defaults(fn=_run)
@@ -47,6 +50,7 @@ def _run(args: argparse.Namespace) -> int:
     def cluster(p: object) -> Cluster:
         return Cluster(workers=args.workers, steps=args.steps, seed=args.seed, plan=p,  # type: ignore[arg-type]
                        step_compute_s=args.step_compute_s, racks=args.racks,
+                       gradient_bytes=int(args.gradient_bytes),
                        modes=ModeConfig(mode=ModeConfig.parse(args.mode)))
 
     print(f"simulating {args.workers} workers x {args.steps} steps, seed {args.seed}, plan {plan.name} ...",

@@ -117,6 +117,7 @@ class Cluster:
     record_spans: bool | None = None  # default: only for small clusters
     modes: ModeConfig = field(default_factory=ModeConfig)  # strict or available (local-sgd: real runs only)
     process_exit_s: float = 0.0  # a killed process's sockets reset this long after the kill
+    gradient_bytes: int = 0  # > 0: collectives cost as for a model with this many gradient bytes
 
     def __post_init__(self) -> None:
         if self.modes.mode is ConsistencyMode.LOCAL_SGD:
@@ -221,7 +222,7 @@ class Cluster:
         self._rng = random.Random(f"compute:{self.seed}")
         self.net = SimNetwork(self.seed, self.link, self.racks, process_exit_s=self.process_exit_s)
         self.net.install_task_factory(self._loop)
-        self.pgf = SimProcessGroupFactory(self.net, self.collective)
+        self.pgf = SimProcessGroupFactory(self.net, self.collective, self.gradient_bytes)
         self.data = RegressionData(self.model_cfg)
         self._cnode = self.net.add_node("coordinator")
         self._coord_lock = asyncio.Lock()

@@ -4,7 +4,8 @@ A group is the members of one quorum id. An all-reduce completes when every memb
 it, at the last arrival plus the closed-form cost of a ring (or tree) all-reduce, constant work
 per collective, so thousands of ranks are cheap. A member that never arrives (crashed, frozen,
 hung) or sits across a partition makes everyone else's collective fail at its deadline, as a real
-Gloo/NCCL one does. Tensors are summed for real (numpy), in rank order.
+Gloo/NCCL one does. Tensors are summed for real (numpy), in rank order; with ``cost_bytes`` the
+cost is charged for a large model's gradient size instead (sizes only), the sum staying real.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ class _Group:
 class SimProcessGroupFactory:
     """One per cluster; every node's factory view shares the rendezvous table."""
 
-    def __init__(self, net: SimNetwork, model: CollectiveModel) -> None:
+    def __init__(self, net: SimNetwork, model: CollectiveModel, cost_bytes: int = 0) -> None:
         self.net, self.model = net, model
+        # > 0: charge collectives for this many bytes (a large model's gradients, "sizes only")
+        # while the arithmetic stays on the small simulated model
+        self.cost_bytes = cost_bytes
         self._groups: dict[int, _Group] = {}
         self.collectives = 0
 
@@ -110,7 +114,7 @@ class SimProcessGroup:
         if len(sides) > 1 or any(not n.alive or inc != n.incarnation for _, n, inc, _ in members):
             return  # across a partition or with a dead rank: nobody completes; deadlines fire
         total = np.sum(np.stack([t for t, _, _, _ in members]), axis=0)
-        nbytes = members[0][0].nbytes
+        nbytes = self.shared.cost_bytes or members[0][0].nbytes
         self.shared.collectives += 1
         loop = asyncio.get_running_loop()
         done_at = op.last_arrival_s + self.shared.model.allreduce_s(self.world_size, nbytes)
