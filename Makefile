@@ -27,6 +27,9 @@ sweep: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m phalanx.bench training
 	$(PY) -m phalanx.bench sim
+	$(PY) -m phalanx.bench fidelity
+	$(VENV)/bin/phalanx train --compare-modes --fault-plan src/phalanx/faults/plans/straggler.toml --steps 150 --min-step-s 0.05 --quiet --out runs/bench/compare-straggler
+	$(VENV)/bin/phalanx train --compare-modes --fault-plan src/phalanx/faults/plans/partition.toml --steps 150 --min-step-s 0.05 --quiet --out runs/bench/compare-partition
 
 clean:
 	rm -rf $(VENV) runs

@@ -37,6 +37,8 @@ def print_summary(s: dict[str, Any], run_dir: Path) -> None:
             ft.add_row(f["description"], str(f["at_step"]), _f(f["detected_after_s"], "{:.3f} s"),
                        _f(f["recovered_after_s"], "{:.3f} s"))
         con.print(ft)
+    if (run_dir / "report.html").exists():
+        con.print(f"report: {run_dir / 'report.html'}   trace (ui.perfetto.dev): {run_dir / 'trace.json'}")
 
 
 def _f(x: Any, fmt: str = "{:.4f}") -> str:
