@@ -17,7 +17,7 @@ def print_summary(s: dict[str, Any], run_dir: Path) -> None:
     rows = [
         ("result", "OK" if s.get("ok") else f"FAILED ({s.get('reason', '')})"),
         ("mode", str(s.get("mode", "strict"))),
-        ("steps committed", str(s.get("steps_committed"))),
+        ("merges committed" if s.get("mode") == "local-sgd" else "steps committed", str(s.get("steps_committed"))),
         ("steps retried", str(s.get("steps_retried"))),
         ("samples exactly once", str(s.get("samples_exactly_once"))),
         ("max |params - reference|", _f(s.get("reference_max_abs_diff"), "{:.2e}")),
