@@ -38,15 +38,26 @@ def _run(steps: int, run_dir: Path, min_step_s: float, plan_text: str = "") -> A
     return res
 
 
-_PROBE = ("import socket, sys, time, torch\n"
+_PROBE = ("import socket, sys, threading, time\n"
+          "import numpy as np\n"
+          "from phalanx.workload.charlm_train import build\n"
+          "from phalanx.workload.model import build_model, build_optimizer, loss_fn\n"
+          "cfg, data = build()\n"
+          "model, opt = build_model(cfg), None\n"
+          "opt = build_optimizer(model, cfg)\n"
+          "def train():\n"
+          "    while True:\n"
+          "        x, y = data.batch(np.arange(8)); loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()\n"
+          "threading.Thread(target=train, daemon=True).start()\n"
           "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n"
           "s.sendall(b'x')\n"
           "time.sleep(60)\n")
 
 
 def probe_process_exit_s(repeats: int = 3) -> float:
-    """How long after SIGKILL a peer sees the socket of a process that has torch loaded close:
-    the OS part of kill detection, which no fault-free run shows. Median of ``repeats``."""
+    """How long after SIGKILL a peer sees the socket of a worker-like process close (the bundled
+    model training in a thread): the OS part of kill detection, which no fault-free run shows.
+    Median of ``repeats``."""
     import os
     import signal
     import socket
@@ -63,6 +74,7 @@ def probe_process_exit_s(repeats: int = 3) -> float:
             conn, _ = srv.accept()
             with conn:
                 conn.recv(1)
+                time.sleep(0.3)  # let it train for a moment, as a worker would be
                 t0 = time.monotonic()
                 os.kill(proc.pid, signal.SIGKILL)
                 conn.recv(1)  # b"" at EOF / reset
