@@ -179,9 +179,13 @@ class Job:
         except GeneratorExit:
             self._call(self.agent.goodbye(False, "loop body raised or exited early"))
             raise
+        self._finish(True, "finished")
+
+    def _finish(self, completed: bool, reason: str) -> None:
+        """The loop is over (both modes): say goodbye, holding the final state or not."""
         self._current = None
-        self.completed, self.ended_reason = True, "finished"
-        self._call(self.agent.goodbye(True, "finished"))
+        self.completed, self.ended_reason = completed, reason
+        self._call(self.agent.goodbye(completed, reason))
 
     def _acquire(self, step: int, total: int = -1) -> Assignment:
         t0 = time.monotonic()
@@ -344,16 +348,12 @@ class Job:
                         k = max(k, a.local_step)
                         merged_at = k
         except JobOver as e:
-            self.ended_reason = str(e)
-            self._current = None
-            self._call(self.agent.goodbye(False, str(e)))
+            self._finish(False, str(e))
             return
         except GeneratorExit:
             self._call(self.agent.goodbye(False, "loop body raised or exited early"))
             raise
-        self._current = None
-        self.completed, self.ended_reason = True, "finished"
-        self._call(self.agent.goodbye(True, "finished"))
+        self._finish(True, "finished")
 
     def _sync(self, k: int, must: bool) -> Assignment | None:
         """One merge at local step ``k``. Returns the assignment on commit; None if skipped."""
