@@ -53,3 +53,40 @@ def test_worker_out_of_range_and_unsupported_kinds_are_rejected():
 def test_unreadable_plan_file(tmp_path):
     with pytest.raises(FaultPlanError, match="cannot read the fault plan"):
         load_fault_plan(tmp_path / "missing.toml")
+
+
+def test_join_names_a_worker_that_starts_later():
+    plan = parse_fault_plan('[[fault]]\nkind = "join"\nworker = 3\nat_step = 10\n\n'
+                            '[[fault]]\nkind = "kill"\nworker = 3\nat_step = 20\n', "p.toml")
+    assert [f.kind for f in plan.faults] == [FaultKind.JOIN, FaultKind.KILL] and plan.joiners == {3}
+    assert plan.faults[0].describe() == "join worker 3 at step 10"
+    plan.validate_workers(4)
+    plan.require_supported("real")
+    plan.require_supported("sim")
+
+
+@pytest.mark.parametrize("text, line, words", [
+    ('[[fault]]\nkind = "join"\nat_step = 3\n', 1, "missing required key 'worker'"),
+    ('[[fault]]\nkind = "join"\nworker = 1\nat_step = 3\nfor_s = 2\n', 5, "unknown key 'for_s'"),
+    ('[[fault]]\nkind = "join"\nworker = 1\nat_step = 3\n\n[[fault]]\nkind = "join"\nworker = 1\nat_s = 9\n', 6,
+     "fault #2 (join): worker 1 already joins in fault #1 (line 1); a worker joins only once"),
+    ('[[fault]]\nkind = "freeze"\nworker = 1\nat_step = 2\nfor_s = 1\n\n[[fault]]\nkind = "join"\nworker = 1\n'
+     'at_step = 5\n', 1, "worker 1 is not there yet: it joins at at_step = 5 (fault #2, line 7)"),
+    ('[[fault]]\nkind = "join"\nworker = 1\nat_step = 5\n[[fault]]\nkind = "kill"\nworker = 1\nat_step = 5\n', 5,
+     "trigger this fault after the join (at_step > 5)"),
+    ('[[fault]]\nkind = "join"\nworker = 1\nat_s = 2.5\n[[fault]]\nkind = "hang"\nworker = 1\nat_step = 9\n'
+     'for_s = 1\n', 5, "(at_s > 2.5)"),
+])
+def test_broken_joins_name_the_file_line_and_problem(text, line, words):
+    with pytest.raises(FaultPlanError) as ei:
+        parse_fault_plan(text, "plans/join.toml")
+    assert ei.value.line == line and words in ei.value.problem, str(ei.value)
+    assert str(ei.value).startswith(f"plans/join.toml:{line}: ")
+
+
+def test_a_plan_where_every_worker_joins_later_is_rejected():
+    plan = parse_fault_plan('[[fault]]\nkind = "join"\nworker = 0\nat_s = 1\n\n'
+                            '[[fault]]\nkind = "join"\nworker = 1\nat_s = 1\n', "p.toml")
+    plan.validate_workers(3)
+    with pytest.raises(FaultPlanError, match=r"p.toml:6: .*every one of the 2 workers joins later"):
+        plan.validate_workers(2)

@@ -248,3 +248,31 @@ def test_sizes_only_collectives_charge_a_large_models_gradient_bytes():
     # 8-rank ring at 1.25 GB/s: 2 * 7/8 * 2 GB / 1.25 GB/s = 2.8 s more per step, the sum still exact
     extra_s = (large.summary["virtual_s"] - small.summary["virtual_s"]) / 10
     assert 2.5 < extra_s < 3.2 and large.summary["reference_max_abs_diff"] <= 1e-9
+
+
+# ---- a worker that is not there at the start ----
+
+def test_a_worker_that_joins_later_heals_from_a_peer_and_then_takes_part():
+    r = Scenario(workers=4, seed=7).join(3, at_step=10).run_until(step=40)
+    _held(r)
+    first = r.quorums()[0]
+    assert first[0] < 1.0 and first[2] == ["w0", "w1", "w2"]  # the first quorum does not wait for w3
+    joined = r.events_of("worker_joined", 3)
+    assert len(joined) == 1 and joined[0]["last_committed_step"] == -1  # started once, fresh, no state
+    assert joined[0]["t"] >= r.first("fault_injected", 3)["t"]
+    healed = r.first("worker_healed", 3)
+    assert healed and healed["source"] in ("w0", "w1", "w2") and healed["step"] >= 10
+    assert [c["members"] for c in r.commits if c["step"] < healed["step"]] == [["w0", "w1", "w2"]] * healed["step"]
+    after = [c for c in r.commits if c["step"] >= healed["step"]]
+    assert after and all("w3" in c["members"] for c in after)  # every commit after it joined includes it
+    assert [s for _, s in r.applied_by(3)] == list(range(healed["step"], 40))
+    assert r.summary["workers_completed"] == 4  # w3 ends with the reference parameters (_held checks them)
+    f = r.fault("join")
+    assert f["detected_after_s"] is None and f["recovered_after_s"] is not None
+
+
+def test_a_join_that_comes_after_the_last_step_ends_the_job_without_the_worker():
+    r = Scenario(workers=3, seed=2).join(2, at_step=50).run_until(step=20)
+    _held(r)
+    assert "w2 never joined" in r.reason and not r.events_of("worker_joined", 2)
+    assert r.summary["workers_incomplete"] == {"w2": "the job finished before its join was due"}

@@ -25,13 +25,15 @@ class FaultKind(str, Enum):
     DUPLICATE = "duplicate"  # simulator only: TCP hides it, it costs bandwidth
     REORDER = "reorder"  # simulator only: TCP hides it, it costs head-of-line delay
     COORDINATOR_KILL = "coordinator_kill"
+    JOIN = "join"  # the worker is not there at the start; it starts, fresh, at the trigger and heals
 
 
 WORKER_KINDS = frozenset({FaultKind.KILL, FaultKind.FREEZE, FaultKind.GIL_HANG, FaultKind.HANG, FaultKind.STRAGGLER})
 NETWORK_KINDS = frozenset({FaultKind.PARTITION, FaultKind.LATENCY, FaultKind.LOSS, FaultKind.BANDWIDTH})
 SUPPORTED: dict[str, frozenset[FaultKind]] = {
-    "real": WORKER_KINDS | NETWORK_KINDS | {FaultKind.COORDINATOR_KILL},  # network kinds act at the worker's
-    # seams (train.network_faults); coordinator_kill is carried out by the launcher (runtime.launcher_faults)
+    "real": WORKER_KINDS | NETWORK_KINDS | {FaultKind.COORDINATOR_KILL, FaultKind.JOIN},  # network kinds act
+    # at the worker's seams (train.network_faults); coordinator_kill is carried out by the launcher
+    # (runtime.launcher_faults); a join worker is started by the fault injector, not at the start
     "sim": frozenset(FaultKind),
 }
 # key -> (required for kinds, allowed for kinds)
@@ -49,6 +51,7 @@ _KEYS: dict[FaultKind, tuple[set[str], set[str]]] = {
     FaultKind.DUPLICATE: ({"probability"}, {"for_s", "workers", "pair"}),
     FaultKind.REORDER: ({"probability", "delay_ms"}, {"for_s", "workers", "pair"}),
     FaultKind.COORDINATOR_KILL: (set(), {"restart_after_s"}),
+    FaultKind.JOIN: ({"worker"}, set()),
 }
 
 
@@ -83,11 +86,21 @@ class FaultPlan:
     name: str
     faults: tuple[Fault, ...]
 
+    @property
+    def joiners(self) -> frozenset[int]:
+        """Workers that are not there at the start: each starts at its ``join`` fault's trigger."""
+        return frozenset(f.worker for f in self.faults if f.kind is FaultKind.JOIN and f.worker is not None)
+
     def validate_workers(self, num_workers: int) -> None:
         for f in self.faults:
             if f.worker is not None and not 0 <= f.worker < num_workers:
                 raise FaultPlanError(self.path, f.line, f"fault #{f.index + 1} ({f.kind.value}): worker {f.worker} "
                                      f"does not exist in a run of {num_workers} workers (0..{num_workers - 1})")
+        if self.joiners and len(self.joiners) >= num_workers:
+            last = [f for f in self.faults if f.kind is FaultKind.JOIN][-1]
+            raise FaultPlanError(self.path, last.line, f"fault #{last.index + 1} (join): every one of the "
+                                 f"{num_workers} workers joins later, so nobody starts the job; leave at least "
+                                 "one worker without a join")
 
     def require_supported(self, side: str) -> None:
         for f in self.faults:
@@ -139,6 +152,7 @@ def parse_fault_plan(text: str, path: str = "<string>") -> FaultPlan:
         raise FaultPlanError(path, None, "'fault' must be an array of tables: write [[fault]] before each fault")
     blocks = _block_lines(text)
     faults = tuple(_fault(i, e, blocks[i] if i < len(blocks) else (None, {}), path) for i, e in enumerate(entries))
+    _check_joins(faults, path)
     return FaultPlan(path, str(doc.get("name", Path(path).stem)), faults)
 
 
@@ -197,3 +211,31 @@ def _fault(i: int, e: dict[str, Any], block: tuple[int | None, dict[str, int]], 
                  at_s=None if "at_s" not in e else float(num("at_s")), worker=num("worker", integer=True),
                  for_s=None if "for_s" not in e else float(num("for_s", strict=True)), restart=restart, phase=phase,
                  factor=None if factor is None else float(factor), params=tuple(params))
+
+
+def _check_joins(faults: tuple[Fault, ...], path: str) -> None:
+    """A worker joins at most once, and nothing can happen to it before it is there: every other
+    fault naming a join worker must trigger strictly after its join, on the same kind of trigger
+    (how a step number and a time compare is only known once the run is going)."""
+    joins: dict[int, Fault] = {}
+    for f in faults:
+        if f.kind is FaultKind.JOIN and f.worker is not None:
+            if f.worker in joins:
+                first = joins[f.worker]
+                raise FaultPlanError(path, f.line, f"fault #{f.index + 1} (join): worker {f.worker} already joins "
+                                     f"in fault #{first.index + 1} (line {first.line}); a worker joins only once")
+            joins[f.worker] = f
+    for f in faults:
+        j = joins.get(f.worker) if f.worker is not None and f.kind is not FaultKind.JOIN else None
+        if j is None:
+            continue
+        if j.at_step is not None:
+            later, joins_at = f.at_step is not None and f.at_step > j.at_step, ("at_step", f"{j.at_step}")
+        else:
+            assert j.at_s is not None
+            later, joins_at = f.at_s is not None and f.at_s > j.at_s, ("at_s", f"{j.at_s:g}")
+        if not later:
+            key, value = joins_at
+            raise FaultPlanError(path, f.line, f"fault #{f.index + 1} ({f.kind.value}): worker {f.worker} is not "
+                                 f"there yet: it joins at {key} = {value} (fault #{j.index + 1}, line {j.line}); "
+                                 f"trigger this fault after the join ({key} > {value})")

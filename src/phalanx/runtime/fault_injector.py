@@ -4,6 +4,9 @@ Triggers: ``at_step`` (when that many steps have committed) or ``at_s`` (seconds
 commit). Detection: the coordinator's first suspicion of a target after injection. Recovery: the
 first step committed after that detection (the cluster is making progress again).
 
+A ``join`` starts a worker the supervisor left out of ``start_all``; nothing is detected, and its
+recovery is the first step committed with the joiner among the members.
+
 Network faults (partition, latency, loss, bandwidth) are sent as ``InjectFault`` messages to every
 worker they affect; each worker applies them at its own seams (``train.network_faults``). Their
 targets are the workers cut off (partition) or degraded (link faults; all workers when untargeted).
@@ -62,7 +65,11 @@ class FaultInjector:
         if ev["event"] == "step_committed" and self._first_commit_mono is None:
             self._first_commit_mono = now
         for r in self.records:
-            if r.detected_after_s is None and ev["event"] == "worker_suspected" and ev.get("worker") in r.targets:
+            if r.kind == FaultKind.JOIN.value:
+                if r.recovered_after_s is None and ev["event"] == "step_committed" and \
+                        set(r.targets) & set(ev.get("members", ())):
+                    r.recovered_after_s = now - r.injected_mono
+            elif r.detected_after_s is None and ev["event"] == "worker_suspected" and ev.get("worker") in r.targets:
                 r.detected_after_s = now - r.injected_mono
             elif r.detected_after_s is not None and r.recovered_after_s is None and ev["event"] == "step_committed":
                 r.recovered_after_s = now - r.injected_mono
@@ -82,9 +89,14 @@ class FaultInjector:
             await self._network_fault(f)
             return
         await self._wait_trigger(f)
-        rec = self._record(f)
         w = self.sup.workers[f.worker] if f.worker is not None else None
-        if f.kind is FaultKind.KILL:
+        while w is not None and f.kind is not FaultKind.JOIN and w.waiting_to_join:
+            await asyncio.sleep(0.005)  # the plan parser puts it after the join; keep that order here too
+        rec = self._record(f)
+        if f.kind is FaultKind.JOIN:
+            assert w is not None
+            self.sup.join(w)
+        elif f.kind is FaultKind.KILL:
             assert w is not None
             self.kill_restart[w.index] = f.restart
             self.sup.kill(w)

@@ -142,6 +142,9 @@ async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResu
         address = cfg.coordinator
         if kills:
             raise JobFailed("coordinator_kill needs the embedded coordinator; it cannot kill a remote --coordinator")
+        if cfg.fault_plan.joiners:  # the fault injector starts them, and it runs with the embedded coordinator
+            raise JobFailed("a join fault needs the embedded coordinator; with a remote --coordinator, start the "
+                            "late worker yourself")
     else:
         store = _store(host)
         new_coordinator = _coordinator_factory(cfg, transport, f"{host}:{store.port}", on_event)
@@ -152,7 +155,7 @@ async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResu
            "PHALANX_RUN_DIR": str(cfg.run_dir), "PHALANX_DATA_SEED": str(cfg.data_seed),
            "PYTHONUNBUFFERED": "1"}
     sup = Supervisor(cfg.argv, env, cfg.run_dir, cfg.workers, cfg.restart_failed,
-                     wrap=net.worker_command if net is not None else None)
+                     wrap=net.worker_command if net is not None else None, joiners=cfg.fault_plan.joiners)
     if holder is not None:
         injector = FaultInjector(injector_plan, holder.current, sup)
 
@@ -225,8 +228,11 @@ def _coordinator_factory(cfg: LaunchConfig, transport: TcpTransport, store_addre
                          on_event: Callable[[dict[str, Any]], None]) -> Callable[[tuple[str, int] | None, float], Coordinator]:
     """Makes coordinator incarnations. Each counts its events' ``t`` from its own start; ``shift_s``
     (its start after the first's) moves them onto the first incarnation's time axis."""
+    # workers that join later are not waited for at the start (the first quorum would wait
+    # initial_wait_s for them); cfg.workers stays the total
+    expected = cfg.workers - len(cfg.fault_plan.joiners)
     ccfg = CoordinatorConfig(detector=cfg.detector,
-                             quorum=QuorumConfig(min_workers=cfg.min_workers, expected_workers=cfg.workers),
+                             quorum=QuorumConfig(min_workers=cfg.min_workers, expected_workers=expected),
                              collective_timeout_s=cfg.collective_timeout_s,
                              checkpoint_every_steps=cfg.checkpoint_every_steps, run_dir=str(cfg.run_dir),
                              run_id=cfg.run_dir.name, modes=cfg.modes)
@@ -276,16 +282,22 @@ async def _supervise(cfg: LaunchConfig, sup: Supervisor, holder: CoordinatorHold
                 sup.restart(w)
                 on_event({"t": now - t0, "mono": now, "node": "launcher", "event": "worker_restarted",
                           "worker": w.worker_id, "restarts": w.restarts})
+        late = ", ".join(w.worker_id for w in sup.not_joined())  # not started yet: neither exited nor finished
         if sup.all_finished():
-            return True, "all workers finished"
+            return True, "all workers finished" + (f" ({late} never joined: the job finished before its trigger)"
+                                                   if late else "")
         if not sup.any_running():
             codes = {w.worker_id: w.exit_codes[-1] for w in sup.workers if w.exit_codes}
-            return False, f"every worker has exited without finishing (exit codes {codes}); see {cfg.run_dir}/workers/*.log"
+            pending = f"; {late} had not joined yet" if late else ""
+            return False, (f"every started worker has exited without finishing (exit codes {codes}{pending}); "
+                           f"see {cfg.run_dir}/workers/*.log")
         if coord is not None and coord.stall_reason:
             stalled_since = stalled_since or now
             # Waiting helps only if a worker that may still hold the state can come back: when every
             # local worker is connected (fresh incarnations), nobody can, so fail after a short grace.
-            nobody_missing = sum(1 for s in coord.sessions.values() if s.healthy) >= cfg.workers
+            # (a worker that has not joined yet holds no state either)
+            started = cfg.workers - len(sup.not_joined())
+            nobody_missing = sum(1 for s in coord.sessions.values() if s.healthy) >= started
             limit_s = min(cfg.stall_timeout_s, STALL_GRACE_S) if nobody_missing else cfg.stall_timeout_s
             if now - stalled_since > limit_s:
                 return False, f"no progress for {limit_s:.0f} s: {coord.stall_reason}"

@@ -25,6 +25,7 @@ class WorkerProcess:
     finished: bool = False  # exited 0
     frozen: bool = False
     reported: bool = False  # its current process's exit was already handled
+    waiting_to_join: bool = False  # a `join` fault starts it later: not started, so neither exited nor finished
 
     @property
     def pid(self) -> int:
@@ -39,16 +40,28 @@ class WorkerProcess:
 
 class Supervisor:
     def __init__(self, argv: list[str], env: dict[str, str], run_dir: Path, count: int,
-                 restart_failed: bool, max_restarts: int = 5, id_prefix: str = "w", wrap: Wrap | None = None) -> None:
+                 restart_failed: bool, max_restarts: int = 5, id_prefix: str = "w", wrap: Wrap | None = None,
+                 joiners: frozenset[int] = frozenset()) -> None:
         self.argv, self.env, self.run_dir = argv, env, run_dir
         self.wrap = wrap
         self.restart_failed, self.max_restarts = restart_failed, max_restarts
-        self.workers = [WorkerProcess(i, f"{id_prefix}{i}") for i in range(count)]
+        self.workers = [WorkerProcess(i, f"{id_prefix}{i}", waiting_to_join=i in joiners) for i in range(count)]
         (run_dir / "workers").mkdir(parents=True, exist_ok=True)
 
     def start_all(self) -> None:
+        """Every worker but those a `join` fault starts later (:meth:`join`)."""
         for w in self.workers:
-            self.start(w)
+            if not w.waiting_to_join:
+                self.start(w)
+
+    def join(self, w: WorkerProcess) -> None:
+        """Start a worker that was not there at the start: a fresh process, it heals from a peer."""
+        assert w.waiting_to_join and w.proc is None, f"{w.worker_id} joins once, and only if it was never started"
+        w.waiting_to_join = False
+        self.start(w)
+
+    def not_joined(self) -> list[WorkerProcess]:
+        return [w for w in self.workers if w.waiting_to_join]
 
     def start(self, w: WorkerProcess) -> None:
         env = {**self.env, "PHALANX_WORKER_ID": w.worker_id, "PHALANX_WORKER_INDEX": str(w.index),
@@ -113,7 +126,8 @@ class Supervisor:
                     w.proc.wait()
 
     def all_finished(self) -> bool:
-        return all(w.finished for w in self.workers)
+        """Every started worker exited 0 (one still waiting to join has not finished: see not_joined)."""
+        return all(w.finished for w in self.workers if not w.waiting_to_join)
 
     def any_running(self) -> bool:
         return any(w.alive for w in self.workers)

@@ -176,7 +176,10 @@ class Cluster:
             self._committed[step] = (qid, set(members))
             self.cluster_step = max(self.cluster_step, step)
         for r in self._records:
-            if r.detected_after_s is None and kind == "worker_suspected" and ev.get("worker") in r.targets:
+            if r.fault.kind is FaultKind.JOIN:  # nothing to detect: recovered once a commit includes it
+                if r.recovered_after_s is None and kind == "step_committed" and r.targets & set(ev["members"]):
+                    r.recovered_after_s = self._loop.time() - r.injected_s
+            elif r.detected_after_s is None and kind == "worker_suspected" and ev.get("worker") in r.targets:
                 r.detected_after_s = self._loop.time() - r.injected_s
             elif r.detected_after_s is not None and r.recovered_after_s is None and kind == "step_committed":
                 r.recovered_after_s = self._loop.time() - r.injected_s
@@ -230,8 +233,10 @@ class Cluster:
         self.sim_workers: list[SimWorker] = []
         self.coordinator_address = await self._start_coordinator("coordinator", None)
         self.sim_workers = [SimWorker(self, i) for i in range(self.workers)]
+        self._to_join = {f"w{i}" for i in self.plan.joiners}  # not there yet: started by their join fault
         for w in self.sim_workers:
-            w.start()
+            if w.worker_id not in self._to_join:
+                w.start()
         faults = [asyncio.ensure_future(self._inject(f)) for f in self.plan.faults]
         try:
             return await self._wait_done()
@@ -252,7 +257,9 @@ class Cluster:
             if epoch == self._coord_epoch:
                 self.on_event(ev)
 
-        quorum = QuorumConfig(min_workers=1, expected_workers=self.workers)
+        # workers that join later are not waited for at the start (else the first quorum would wait
+        # initial_wait_s for them)
+        quorum = QuorumConfig(min_workers=1, expected_workers=self.workers - len(self.plan.joiners))
         ccfg = CoordinatorConfig(detector=self.detector, quorum=quorum, collective_timeout_s=self.collective_timeout_s,
                                  run_id=f"sim-{self.seed}", modes=self.modes)
         self._coord_t0 = self._loop.time()
@@ -290,8 +297,15 @@ class Cluster:
         while True:
             await asyncio.sleep(0.25)
             now = self._loop.time()
-            if all(w.finished or w.gone for w in self.sim_workers) and not self._pending_restarts():
-                return True, "all workers finished"
+            started = [w for w in self.sim_workers if w.worker_id not in self._to_join]
+            if all(w.finished or w.gone for w in started) and not self._pending_restarts():
+                if not self._to_join:
+                    return True, "all workers finished"
+                late = ", ".join(sorted(self._to_join))
+                for w in self.sim_workers:
+                    if w.worker_id in self._to_join:
+                        w.ended = "the job finished before its join was due"
+                return True, f"all workers finished ({late} never joined: the job finished before the trigger)"
             if self.cluster_step != last_step:
                 last_step, last_progress = self.cluster_step, now
             if now - last_progress > 120.0:
@@ -315,8 +329,10 @@ class Cluster:
 
     async def _inject(self, f: Fault) -> None:
         await self._trigger(f)
-        now = self._loop.time()
         w = self.sim_workers[f.worker] if f.worker is not None else None
+        while w is not None and f.kind is not FaultKind.JOIN and w.worker_id in self._to_join:
+            await asyncio.sleep(0.01)  # the plan parser puts it after the join; keep that order here too
+        now = self._loop.time()
         targets = {w.worker_id} if w else set()
         rec = _FaultRecord(f, now, self.cluster_step + 1, targets)
         self._records.append(rec)
@@ -328,6 +344,11 @@ class Cluster:
             await self._restart_coordinator(float(f.param("restart_after_s", 1.0)))
             # the replacement is what notices: detection is its start, recovery its first commit
             rec.detected_after_s = rec.ended_after_s = self._loop.time() - rec.injected_s
+            return
+        if k is FaultKind.JOIN:  # a brand-new process, no state: it heals from a peer, then takes part
+            assert w is not None and w.agent is None
+            self._to_join.discard(w.worker_id)
+            w.start()
             return
         if k is FaultKind.KILL:
             assert w is not None

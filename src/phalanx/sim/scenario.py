@@ -55,6 +55,11 @@ class Scenario:
                  at_s: float | None = None) -> "Scenario":
         return self._add("straggler", at_step, at_s, worker=worker, factor=factor, for_s=for_s)
 
+    def join(self, worker: int, *, at_step: int | None = None, at_s: float | None = None) -> "Scenario":
+        """Not there at the start: the worker's process starts, fresh, at the trigger, heals from a
+        peer and then takes part (the first quorum does not wait for it)."""
+        return self._add("join", at_step, at_s, worker=worker)
+
     # ---- network faults ----
     def partition(self, *groups: Sequence[int], for_s: float, at_step: int | None = None, at_s: float | None = None,
                   one_way: bool = False) -> "Scenario":

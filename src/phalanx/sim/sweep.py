@@ -13,7 +13,7 @@ from phalanx.sim.cluster import Cluster, SimResult
 from phalanx.sim.scenario import faults_toml as schedule_toml  # one writer of the plan format
 
 KINDS = ("kill", "freeze", "hang", "partition", "loss", "latency", "straggler", "gil_hang", "duplicate", "reorder",
-         "coordinator_kill")
+         "coordinator_kill", "join")
 _LINK_KINDS = ("loss", "latency", "duplicate", "reorder")
 
 
@@ -22,11 +22,23 @@ def random_schedule(seed: int, workers: int, steps: int, max_faults: int = 4) ->
     make progress again afterwards: that is the liveness phase."""
     rng = random.Random(f"sweep:{seed}")
     faults: list[dict[str, object]] = []
+    joins_at: dict[int, int] = {}  # join worker -> its step: the plan parser wants its other faults later
     for _ in range(rng.randint(1, max_faults)):
         kind = rng.choice(KINDS)
         f: dict[str, object] = {"kind": kind, "at_step": rng.randint(1, max(1, steps - 5))}
+        if kind == "join":
+            # a worker no fault has named yet; at least one worker is there from the start
+            named = set(joins_at) | {int(str(g["worker"])) for g in faults if "worker" in g}
+            free = [w for w in range(workers) if w not in named]
+            if not free or len(joins_at) >= workers - 1:
+                continue
+            f["worker"] = rng.choice(free)
+            joins_at[int(str(f["worker"]))] = int(str(f["at_step"]))
         if kind in ("kill", "freeze", "hang", "straggler", "gil_hang"):
-            f["worker"] = rng.randrange(workers)
+            w = rng.randrange(workers)
+            f["worker"] = w
+            if w in joins_at:
+                f["at_step"] = max(int(str(f["at_step"])), joins_at[w] + 1)
         if kind in ("freeze", "hang", "gil_hang", "partition", "straggler", *_LINK_KINDS):
             f["for_s"] = round(rng.uniform(0.3, 4.0), 2)
         if kind in _LINK_KINDS and workers > 1:
