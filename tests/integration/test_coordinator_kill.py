@@ -81,3 +81,23 @@ def test_a_commit_no_worker_heard_of_is_superseded_by_the_next_incarnation():
     assert [(c.step, c.quorum_id) for c in superseded] == [(2, 1)]
     merged, superseded = merge_commits([[_c(0, 1)], [], [_c(1, 4)]])  # an incarnation that committed nothing
     assert [c.step for c in merged] == [0, 1] and not superseded
+
+
+def test_a_worker_frozen_across_a_coordinator_restart_never_makes_the_new_one_redo_steps(tmp_path):
+    # w0 is SIGSTOPped at step 5 and thaws while the coordinator is down: it may reconnect first,
+    # holding step 4 while its peers hold 11. The new incarnation starts above the durable
+    # floor (RUN/coordinator_floor), so it heals w0 instead of committing steps 5.. again with it.
+    plan = ('[[fault]]\nkind = "freeze"\nworker = 0\nat_step = 5\nfor_s = 3.0\n'
+            '[[fault]]\nkind = "coordinator_kill"\nat_step = 12\nrestart_after_s = 2.5\n')
+    s = train(tmp_path, plan, workers=3, steps=40, **PACE)
+    assert_strict(s)
+    run = tmp_path / "run"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(40))
+    for w in ("w0", "w1", "w2"):
+        mine = _worker_commits(run, w)
+        assert mine == sorted(set(mine)), f"{w} committed a step twice: {mine}"
+    evs = events(run)
+    restart = [i for i, e in enumerate(evs) if e["event"] == "coordinator_started"][1]
+    assert evs[restart]["cluster_step"] >= 10  # from the floor (steps 0..11 committed), before any Hello
+    assert json.loads((run / "coordinator_floor").read_text())["step"] == 39

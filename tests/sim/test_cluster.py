@@ -75,12 +75,14 @@ def test_the_trace_digest_does_not_depend_on_hash_randomisation(tmp_path):
     assert len(digests) == 1
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_fixed_sweep_seeds_hold_every_invariant_and_stay_live(seed):
-    faults = random_schedule(seed, 8, 30)
-    r = run_schedule(seed, 8, 30, faults)
+# seeds 0..7, plus ones a longer sweep once failed on (148, 212: a frozen worker reconnected first
+# to a restarted coordinator, which committed old steps again with it alone)
+@pytest.mark.parametrize("seed,steps", [(s, 30) for s in range(8)] + [(148, 40), (212, 40)])
+def test_fixed_sweep_seeds_hold_every_invariant_and_stay_live(seed, steps):
+    faults = random_schedule(seed, 8, steps)
+    r = run_schedule(seed, 8, steps, faults)
     assert r.ok, (seed, r.reason, r.violations, faults)
-    assert r.summary["steps_committed"] == 30
+    assert r.summary["steps_committed"] == steps
 
 
 def test_the_checkers_catch_a_protocol_that_reuses_an_epoch(monkeypatch):

@@ -159,6 +159,28 @@ def test_a_worker_restarted_during_a_coordinator_outage_rejoins():
     assert r.summary["workers_completed"] == 4, r.summary["workers_incomplete"]
 
 
+# Found by the sweep (seeds 148, 212 of `random_schedule(seed, 8, 40)`): a worker frozen before a
+# coordinator kill reached the restarted coordinator first, and it formed a quorum with that worker
+# alone, reusing quorum id 2 and committing steps 7.. again over the ones its peers had applied.
+def test_a_worker_frozen_across_a_coordinator_restart_heals_instead_of_recommitting_steps():
+    r = (Scenario(workers=4, seed=212)
+         .freeze(0, at_step=7, for_s=3.7)  # thaws during the outage: it reconnects before its peers
+         .kill_coordinator(at_step=13, restart_after_s=2.85)
+         .run_until(step=40))
+    _held(r)
+    restarted = r.events_of("coordinator_started")[1]
+    # the durable floor: the dead incarnation committed step 12, so every member applied step 11
+    assert restarted["cluster_step"] == 11
+    stale = r.first("worker_joined", 0, after_s=restarted["t"])
+    assert stale["last_committed_step"] < 11 and stale["t"] < r.first("worker_joined", 1, after_s=restarted["t"])["t"]
+    before = [qid for t, qid, _ in r.quorums() if t < restarted["t"]]
+    after = [(qid, members) for t, qid, members in r.quorums() if t >= restarted["t"]]
+    assert min(q for q, _ in after) > max(before) and len(after[0][1]) == 4  # nobody formed with w0 alone
+    healed = [e for e in r.events_of("worker_healed", 0) if e["t"] >= restarted["t"]]
+    assert healed and healed[0]["step"] == 13 and healed[0]["source"] != "w0"
+    assert [c["step"] for c in r.commits] == list(range(40)) and not r.superseded
+
+
 # ---- the cross-incarnation checkers catch a coordinator that forgets ----
 
 def _restart_run():
@@ -190,6 +212,7 @@ def test_the_checkers_catch_a_restarted_coordinator_that_loses_committed_steps(m
         return real(self, msgspec.structs.replace(hello, has_state=False, last_committed_step=-1), conn)
 
     monkeypatch.setattr(Coordinator, "_admit", forget_progress)
+    monkeypatch.setattr(Coordinator, "raise_floor", lambda self, quorum_id, step: None)  # and the durable floor
     r = _restart_run()
     assert not r.ok and any("a committed step was lost" in v for v in r.violations), r.violations
 

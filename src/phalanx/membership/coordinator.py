@@ -210,6 +210,19 @@ class Coordinator:
                 if not session.done:
                     self._suspect(session, "connection lost")  # decides the current step if it must
 
+    def raise_floor(self, quorum_id: int, step: int) -> None:
+        """A restarted incarnation starts above what its predecessors durably recorded before it
+        left their process: the highest quorum id and the highest step committed.
+
+        New ids go above ``quorum_id`` (fencing). Step ``step - 1`` is certainly applied: every
+        member of step ``step``'s quorum applied it before it could compute ``step``. So it counts
+        as committed, and a stale worker that reconnects first waits for (and heals from) a peer
+        that holds it instead of committing it again. Step ``step`` itself may have died in flight
+        with the coordinator, unapplied; a worker that holds it raises the step when it says Hello.
+        """
+        self.max_id_seen = max(self.max_id_seen, quorum_id)
+        self.cluster_step = max(self.cluster_step, step - 1)
+
     def _admit(self, hello: Hello, conn: Connection) -> WorkerSession:
         now = self.host.now()
         old = self.sessions.get(hello.worker_id)
@@ -412,13 +425,14 @@ class Coordinator:
         self.commits.append(rec)
         self.cluster_step = q.step
         self._last_commit_s = now
+        # recorded (the launcher's durable floor) before any decision leaves the process
+        self.emit("step_committed", step=q.step, quorum_id=q.quorum_id, members=list(q.members), loss=loss,
+                  step_s=rec.step_s)
         for w in sorted(q.reports):
             s = self.sessions[w]
             s.last_committed_step, s.has_state = q.step, True
             self._send(s, StepDecision(step=q.step, quorum_id=q.quorum_id, commit=True,
                                                              reason=why, loss=loss))
-        self.emit("step_committed", step=q.step, quorum_id=q.quorum_id, members=list(q.members), loss=loss,
-                  step_s=rec.step_s)
 
     def _abort(self, q: CurrentQuorum, why: str) -> None:
         q.decided, q.intact = True, False

@@ -97,8 +97,9 @@ def _form(waiting: list[MemberView], view: QuorumView, merge_stale: bool = False
                       else "there is no checkpoint")
             return QuorumDecision(
                 Action.STALL,
-                f"no live worker holds step {view.cluster_step} and {newest}; "
-                "restart the job with --resume RUN_DIR to continue from the newest checkpoint",
+                f"no connected worker holds step {view.cluster_step} and {newest}; waiting for a worker "
+                "that holds it to (re)connect, else restart the job with --resume RUN_DIR to continue "
+                "from the newest checkpoint",
             )
     sources = [m.worker_id for m in current]
     heal_from = {}

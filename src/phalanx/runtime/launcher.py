@@ -113,11 +113,12 @@ async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResu
     injector: FaultInjector | None = None
     own: LauncherFaults | None = None
     progress = Progress(cfg.workers, cfg.total_steps, enabled=cfg.show_progress)
+    floor = DurableFloor(cfg.run_dir)
 
     def on_event(ev: dict[str, Any]) -> None:
         ev.setdefault("mono", round(time.monotonic(), 6))  # the clock worker span logs use too
-        if ev.get("event") == "quorum_formed":
-            _write_id_floor(cfg.run_dir, int(ev["quorum_id"]))  # before any assignment leaves the process
+        if ev.get("event") in ("quorum_formed", "step_committed"):
+            floor.raise_to(int(ev["quorum_id"]), int(ev.get("step", -1)))  # before it leaves the process
         events.append(ev)
         if not events_file.closed:  # late events during shutdown are kept in memory only
             events_file.write(json.dumps(ev) + "\n")
@@ -165,9 +166,10 @@ async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResu
             assert holder is not None
             shift_s = time.monotonic() - first_mono
             new = new_coordinator(_newest_checkpoint(cfg), shift_s)
-            # Ids above every id the dead coordinator issued, even ones only a worker that has not
-            # reconnected yet has seen: the floor is on disk, written before each new id went out.
-            new.max_id_seen = max(new.max_id_seen, _read_id_floor(cfg.run_dir))
+            # Ids above every id the dead coordinator issued, and no step it committed committed
+            # again, even if only a worker that has not reconnected yet (a frozen one) saw them:
+            # the floor is on disk, written before each new id or commit went out.
+            new.raise_floor(*DurableFloor.read(cfg.run_dir))
             await _start_on(new, address)
             holder.replace(new, shift_s)
             if injector is not None:
@@ -208,20 +210,32 @@ async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResu
                          "rejected": transport.stats.rejected})
 
 
-ID_FLOOR_FILE = "quorum_id_floor"
+class DurableFloor:
+    """``RUN/coordinator_floor``: the highest quorum id formed and the highest step committed, as
+    JSON, replaced atomically before the assignment or commit leaves the process. A restarted
+    coordinator starts above both (:meth:`Coordinator.raise_floor`)."""
 
+    FILE = "coordinator_floor"
 
-def _write_id_floor(run_dir: Path, quorum_id: int) -> None:
-    tmp = run_dir / (ID_FLOOR_FILE + ".tmp")
-    tmp.write_text(str(quorum_id))
-    os.replace(tmp, run_dir / ID_FLOOR_FILE)
+    def __init__(self, run_dir: Path) -> None:
+        self.path, self.quorum_id, self.step = run_dir / self.FILE, 0, -1
 
+    def raise_to(self, quorum_id: int, step: int) -> None:
+        if quorum_id <= self.quorum_id and step <= self.step:
+            return
+        self.quorum_id, self.step = max(self.quorum_id, quorum_id), max(self.step, step)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"quorum_id": self.quorum_id, "step": self.step}))
+        os.replace(tmp, self.path)
 
-def _read_id_floor(run_dir: Path) -> int:
-    try:
-        return int((run_dir / ID_FLOOR_FILE).read_text())
-    except (OSError, ValueError):
-        return 0
+    @classmethod
+    def read(cls, run_dir: Path) -> tuple[int, int]:
+        """(quorum id, committed step); (0, -1) when there is none or it cannot be read."""
+        try:
+            d = json.loads((run_dir / cls.FILE).read_text())
+            return int(d["quorum_id"]), int(d["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0, -1
 
 
 def _coordinator_factory(cfg: LaunchConfig, transport: TcpTransport, store_address: str,

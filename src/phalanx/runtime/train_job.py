@@ -100,8 +100,8 @@ def _guarantee_held(opts: TrainOptions, launched_ok: bool, summary: dict[str, An
     return True, ""
 
 
-RUN_OUTPUTS = ("events.jsonl", "metrics.jsonl", "reference.jsonl", "metrics.superseded.jsonl", "summary.json", "quorum_id_floor",
-               "report.html", "trace.json", "network.json")
+RUN_OUTPUTS = ("events.jsonl", "metrics.jsonl", "reference.jsonl", "metrics.superseded.jsonl", "summary.json",
+               "coordinator_floor", "report.html", "trace.json", "network.json")
 
 
 def clear_run_outputs(run_dir: Path) -> None:

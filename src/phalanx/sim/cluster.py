@@ -246,7 +246,8 @@ class Cluster:
             if self._coord_up:
                 await self.coord.stop("simulation finished")
 
-    async def _start_coordinator(self, bind: str, resume: tuple[str, int] | None) -> str:
+    async def _start_coordinator(self, bind: str, resume: tuple[str, int] | None,
+                                 floor: tuple[int, int] = (0, -1)) -> str:
         """A Coordinator process on the coordinator node; events of an incarnation that has since
         died are dropped (a SIGKILLed process runs no cleanup: its cancelled tasks' finally blocks
         are a simulator artifact, not the protocol's output)."""
@@ -264,6 +265,7 @@ class Cluster:
                                  run_id=f"sim-{self.seed}", modes=self.modes)
         self._coord_t0 = self._loop.time()
         self.coord = Coordinator(SimHost(self.net, self._cnode, self.seed), ccfg, "sim-store", on_event, resume=resume)
+        self.coord.raise_floor(*floor)
         address = await self.net.spawn(self._cnode, self.coord.start(bind), "start")
         self._coord_up = True
         return address
@@ -285,7 +287,11 @@ class Cluster:
         # none yet (checkpoint_every_steps = 0), so this stays None and the workers' Hellos tell
         # the new incarnation the cluster step and the highest quorum id.
         resume = old.checkpoint if old.checkpoint[1] >= 0 else None
-        address = await self._start_coordinator(self.coordinator_address, resume)
+        # The launcher's durable floor (RUN/coordinator_floor, written before each new id or commit
+        # went out): ids above every id the dead incarnation issued and no committed step committed
+        # again, even if only a worker that has not reconnected yet (a frozen one) saw them.
+        address = await self._start_coordinator(self.coordinator_address, resume,
+                                                floor=(self._fence_qid, self.cluster_step))
         assert address == self.coordinator_address, "a restarted coordinator listens at the same address"
 
     def emit(self, event: str, **fields: Any) -> None:
