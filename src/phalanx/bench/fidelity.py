@@ -1,9 +1,10 @@
-"""Fidelity: the same scenario (4 workers, the bundled model, three kills and two freezes) for real
+"""Fidelity: the same scenario (4 workers, the bundled model, six kills and two freezes) for real
 and in the simulator, with the simulator's compute and collective costs calibrated from a
 fault-free real run. Reports step, detection and recovery times side by side (means over the
-faults of each kind: a single freeze's detection depends on where it falls between heartbeats).
+faults of each kind: a single freeze's detection depends on where it falls between heartbeats;
+the JSON keeps every fault's own times).
 
-    python -m phalanx.bench fidelity [--steps 240] [--min-step-s 0.05] [--out runs/bench/fidelity.json]
+    python -m phalanx.bench fidelity [--steps 360] [--min-step-s 0.05] [--out runs/bench/fidelity.json]
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-PLAN = ('[[fault]]\nkind = "kill"\nworker = 1\nat_step = 30\nrestart = true\n'
-        '[[fault]]\nkind = "freeze"\nworker = 2\nat_step = 70\nfor_s = 1.5\n'
-        '[[fault]]\nkind = "kill"\nworker = 3\nat_step = 110\nrestart = true\n'
-        '[[fault]]\nkind = "freeze"\nworker = 2\nat_step = 150\nfor_s = 1.5\n'
-        '[[fault]]\nkind = "kill"\nworker = 1\nat_step = 190\nrestart = true\n')
+# six kills (each worker restarts) and two 1.5 s freezes, 40 steps apart: one kill's detection is a
+# few OS milliseconds, so a handful per side makes the mean comparable
+_FAULTS = [("kill", 1), ("freeze", 2), ("kill", 3), ("kill", 0), ("freeze", 2), ("kill", 1), ("kill", 2), ("kill", 3)]
+PLAN = "".join(f'[[fault]]\nkind = "{k}"\nworker = {w}\nat_step = {30 + 40 * i}\n'
+               + ('restart = true\n' if k == "kill" else 'for_s = 1.5\n') for i, (k, w) in enumerate(_FAULTS))
 
 
 def _run(steps: int, run_dir: Path, min_step_s: float, plan_text: str = "") -> Any:
@@ -38,26 +39,32 @@ def _run(steps: int, run_dir: Path, min_step_s: float, plan_text: str = "") -> A
     return res
 
 
-_PROBE = ("import socket, sys, threading, time\n"
+_PROBE = ("import os, socket, sys, threading, time\n"
           "import numpy as np\n"
+          "import torch\n"
           "from phalanx.workload.charlm_train import build\n"
           "from phalanx.workload.model import build_model, build_optimizer, loss_fn\n"
+          "torch.set_num_threads(1)  # as charlm_train does\n"
           "cfg, data = build()\n"
           "model, opt = build_model(cfg), None\n"
           "opt = build_optimizer(model, cfg)\n"
+          "pace = float(sys.argv[2])\n"
           "def train():\n"
           "    while True:\n"
+          "        t0 = time.monotonic()\n"
           "        x, y = data.batch(np.arange(8)); loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()\n"
+          "        time.sleep(max(0.0, pace - (time.monotonic() - t0)))  # paced, as the workers are\n"
           "threading.Thread(target=train, daemon=True).start()\n"
           "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n"
-          "s.sendall(b'x')\n"
+          "s.sendall(b'%10d' % os.getpid())\n"
           "time.sleep(60)\n")
 
 
-def probe_process_exit_s(repeats: int = 3) -> float:
-    """How long after SIGKILL a peer sees the socket of a worker-like process close (the bundled
-    model training in a thread): the OS part of kill detection, which no fault-free run shows.
-    Median of ``repeats``."""
+def probe_process_exit_s(min_step_s: float, workers: int = 4, rounds: int = 2) -> float:
+    """How long after SIGKILL a peer sees the socket of a worker-like process close: the OS part of
+    kill detection, which no fault-free run shows. ``workers`` processes train the bundled model at
+    once, each step paced to ``min_step_s`` (a job's load on this machine, not an idle one); each round SIGKILLs them one by one while
+    the rest keep training. Median over every kill."""
     import os
     import signal
     import socket
@@ -66,21 +73,42 @@ def probe_process_exit_s(repeats: int = 3) -> float:
     import time
 
     times = []
-    for _ in range(repeats):
+    for _ in range(rounds):
         with socket.socket() as srv:
             srv.bind(("127.0.0.1", 0))
-            srv.listen(1)
-            proc = subprocess.Popen([sys.executable, "-c", _PROBE, str(srv.getsockname()[1])])
-            conn, _ = srv.accept()
-            with conn:
-                conn.recv(1)
-                time.sleep(0.3)  # let it train for a moment, as a worker would be
-                t0 = time.monotonic()
-                os.kill(proc.pid, signal.SIGKILL)
-                conn.recv(1)  # b"" at EOF / reset
-                times.append(time.monotonic() - t0)
-            proc.wait()
+            srv.listen(workers)
+            procs = [subprocess.Popen([sys.executable, "-c", _PROBE, str(srv.getsockname()[1]), str(min_step_s)])
+                     for _ in range(workers)]
+            conns = [srv.accept()[0] for _ in procs]
+            try:
+                # accept order is not start order: each probe sends its pid first
+                by_pid = {int(_recv_exactly(c, 10)): c for c in conns}
+                time.sleep(0.3)  # let them train for a moment, as workers would be
+                for proc in procs[:-1]:  # the last one only keeps the load up
+                    conn = by_pid[proc.pid]
+                    t0 = time.monotonic()
+                    os.kill(proc.pid, signal.SIGKILL)
+                    conn.recv(1)  # b"" at EOF / reset
+                    times.append(time.monotonic() - t0)
+                    proc.wait()
+                    time.sleep(0.1)
+            finally:
+                for proc in procs:
+                    proc.kill()
+                    proc.wait()
+                for c in conns:
+                    c.close()
     return statistics.median(times)
+
+
+def _recv_exactly(conn: Any, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise RuntimeError("a probe process exited before it said who it is")
+        buf += chunk
+    return buf
 
 
 def _mean(xs: list[Any]) -> float | None:
@@ -108,10 +136,11 @@ def _median_step(commits: list[Any]) -> float:
 def main() -> int:
     from phalanx.faults.plan import parse_fault_plan
     from phalanx.sim.cluster import Cluster
+    from phalanx.sim.network import LinkModel
     from phalanx.sim.process_group import CollectiveModel
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--steps", type=int, default=360)
     ap.add_argument("--min-step-s", type=float, default=0.05, help="paced compute, as in the fault tests")
     ap.add_argument("--out", default="runs/bench/fidelity.json")
     args = ap.parse_args()
@@ -124,12 +153,17 @@ def main() -> int:
         console.print("real, kill + freeze ...")
         real = _run(args.steps, Path(tmp) / "real", args.min_step_s, PLAN)
     # calibrate: compute per step, an alpha that makes a 4-rank ring all-reduce cost what Gloo did,
-    # and the OS's process teardown after SIGKILL (a one-off probe, not the scenario)
+    # a control-message latency that makes the rest of a fault-free step (quorum request and
+    # assignment, report and decision: four one-way hops, plus the optimizer step and Python
+    # overhead on the way) cost what it did, and the OS's process teardown after SIGKILL (a
+    # one-off probe, not the scenario)
     alpha_s = allreduce_s / (2 * 3)
-    process_exit_s = probe_process_exit_s()
+    control_s = max(0.0002, (_median_step(calib.commits) - compute_s - allreduce_s) / 4)
+    process_exit_s = probe_process_exit_s(args.min_step_s)
     sim = Cluster(workers=4, steps=args.steps, seed=1, plan=parse_fault_plan(PLAN, "<fidelity>"),
                   step_compute_s=compute_s, compute_jitter=0.05,
                   collective=CollectiveModel(alpha_s=alpha_s, beta_s_per_byte=0.0),
+                  link=LinkModel(latency_s=control_s, jitter_s=control_s / 4),
                   process_exit_s=process_exit_s).run().summary
     rows = [("median step (s)", _median_step(real.commits), sim["median_step_s"])]
     for kind in ("kill", "freeze"):
@@ -152,7 +186,11 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"calibration": {"compute_s": compute_s, "allreduce_s": allreduce_s,
-                                               "process_exit_s": process_exit_s},
-                               "rows": table}, indent=2))
+                                               "control_latency_s": control_s, "process_exit_s": process_exit_s},
+                               "rows": table,
+                               "faults": {side: [{k: f.get(k) for k in ("kind", "worker", "at_step", "detected_after_s",
+                                                                        "recovered_after_s")} for f in faults]
+                                          for side, faults in (("real", real.faults), ("simulated", sim["faults"]))}},
+                              indent=2))
     print(f"wrote {out}")
     return 0

@@ -365,7 +365,10 @@ class Coordinator:
         if (self.quorum is None or self.quorum.decided) and (from_tick or not self._form_blocked):
             before = self.quorum
             self._maybe_form(now)
-            if self.quorum is before:
+            # Block only an attempt that had askers and still waited (a timeout, the job-start
+            # window). One that found nobody asking (the commit that just ended a step) must not:
+            # the last worker's request would then wait up to tick_s for the ticker, every step.
+            if self.quorum is before and self._waiting_n > 0:
                 self._form_blocked = True
 
     @property
