@@ -324,14 +324,15 @@ class Cluster:
 
     # ---- faults ----
     async def _trigger(self, f: Fault) -> None:
-        """at_s: at that exact virtual instant. at_step = N: within 10 ms after step N-1 commits, so
-        before or early in step N (a poll, so the fault lands at a varying point of the step)."""
+        """at_s: at that exact virtual instant. at_step = N: within 5 ms after step N-1 commits, so
+        before or early in step N (a poll every 5 ms, as the real fault injector's, so the fault
+        lands at a varying point of the step)."""
         if f.at_s is not None:
             await asyncio.sleep(max(0.0, f.at_s - self._loop.time()))
             return
         assert f.at_step is not None
         while self.cluster_step + 1 < f.at_step:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.005)
 
     async def _inject(self, f: Fault) -> None:
         await self._trigger(f)
