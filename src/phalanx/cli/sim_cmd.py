@@ -85,7 +85,8 @@ def _print_summary(s: dict, out: Path) -> None:  # type: ignore[type-arg]
             ("samples exactly once", s["samples_exactly_once"]),
             ("max |params - reference|", s["reference_max_abs_diff"]), ("invariant violations", len(s["violations"]))]
     for f in s["faults"]:
-        rows.append((f["description"], f"detected {f['detected_after_s']} s, recovered {f['recovered_after_s']} s"))
+        rows.append((f["description"], f"detected {_secs(f['detected_after_s'])}, "
+                                       f"recovered {_secs(f['recovered_after_s'])}"))
     for k, v in rows:
         t.add_row(str(k), str(v))
     Console(stderr=True).print(t)
@@ -119,3 +120,9 @@ def _sweep(args: argparse.Namespace) -> int:
     print(f"phalanx sim sweep: {len(outcomes) - len(failed)} of {len(outcomes)} seeds passed "
           f"({args.workers} workers x {args.steps} steps each); results in {args.out}/sweep.json")
     return 1 if failed else 0
+
+
+def _secs(v: float | None) -> str:
+    """A fault's time, or "-" where there is none (a join has nothing to detect; a fault still
+    unrecovered when the run ended)."""
+    return "-" if v is None else f"{v:.4f} s"
