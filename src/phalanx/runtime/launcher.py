@@ -117,8 +117,8 @@ async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResu
 
     def on_event(ev: dict[str, Any]) -> None:
         ev.setdefault("mono", round(time.monotonic(), 6))  # the clock worker span logs use too
-        if ev.get("event") in ("quorum_formed", "step_committed"):
-            floor.raise_to(int(ev["quorum_id"]), int(ev.get("step", -1)))  # before it leaves the process
+        if ev.get("event") in ("quorum_formed", "step_committed"):  # before it leaves the process
+            floor.raise_to(int(ev["quorum_id"]), int(ev["step"]) if ev["event"] == "step_committed" else -1)
         events.append(ev)
         if not events_file.closed:  # late events during shutdown are kept in memory only
             events_file.write(json.dumps(ev) + "\n")
