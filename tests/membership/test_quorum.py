@@ -113,3 +113,14 @@ def test_a_merge_commits_without_a_coverage_vector_only_when_coverage_is_not_req
     reports = {"a": Report(True, False), "b": Report(True, False)}
     assert decide_commit(["a", "b"], ["a", "b"], reports)[0] is Verdict.ABORT
     assert decide_commit(["a", "b"], ["a", "b"], reports, require_coverage=False)[0] is Verdict.COMMIT
+
+
+def test_a_restarted_coordinator_waits_for_the_last_commits_members_before_redoing_it():
+    # the floor says step 5 was committed by a, b, c; only d (one step behind) is back yet
+    view = QuorumView(cluster_step=4, current_id=0, current_members=(), current_intact=False, checkpoint_step=-1,
+                      max_id_seen=7, awaiting_holders=("a", "b", "c"))
+    d = decide_quorum(1.0, [m("d")], view, CFG)
+    assert d.action is Action.WAIT and "a, b, c" in d.reason and "step 5" in d.reason
+    # once they are back (none holds step 5) the coordinator clears awaiting_holders: step 5 is redone
+    back = decide_quorum(1.0, [m(w) for w in "abcd"], QuorumView(4, 0, (), False, -1, "", 7), CFG)
+    assert back.action is Action.FORM and back.step == 5 and back.quorum_id == 8

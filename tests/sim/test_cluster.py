@@ -75,12 +75,14 @@ def test_the_trace_digest_does_not_depend_on_hash_randomisation(tmp_path):
     assert len(digests) == 1
 
 
-# seeds 0..7, plus ones a longer sweep once failed on (148, 212: a frozen worker reconnected first
-# to a restarted coordinator, which committed old steps again with it alone)
-@pytest.mark.parametrize("seed,steps", [(s, 30) for s in range(8)] + [(148, 40), (212, 40)])
-def test_fixed_sweep_seeds_hold_every_invariant_and_stay_live(seed, steps):
-    faults = random_schedule(seed, 8, steps)
-    r = run_schedule(seed, 8, steps, faults)
+# seeds 0..7 at 8 workers, plus ones a longer sweep once failed on: 148 and 212 (a frozen worker
+# reached a restarted coordinator first, which committed old steps again with it alone), 21449 (the
+# same one step behind) and 20376 (a kill of a worker whose restart was pending started a second one)
+@pytest.mark.parametrize("seed,workers,steps", [(s, 8, 30) for s in range(8)]
+                         + [(148, 8, 40), (212, 8, 40), (21449, 6, 50), (20376, 6, 50)])
+def test_fixed_sweep_seeds_hold_every_invariant_and_stay_live(seed, workers, steps):
+    faults = random_schedule(seed, workers, steps)
+    r = run_schedule(seed, workers, steps, faults)
     assert r.ok, (seed, r.reason, r.violations, faults)
     assert r.summary["steps_committed"] == steps
 

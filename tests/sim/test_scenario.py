@@ -181,6 +181,34 @@ def test_a_worker_frozen_across_a_coordinator_restart_heals_instead_of_recommitt
     assert [c["step"] for c in r.commits] == list(range(40)) and not r.superseded
 
 
+# Found by the sweep (seed 21449, 6 workers x 50 steps): the coordinator died right after committing
+# step 3, which w1..w5 applied; w0, hung through step 3, reached the new coordinator first holding
+# step 2, and a quorum with it alone committed step 3 again. Now the new incarnation waits for the
+# last recorded commit's members before it forms at that step.
+def test_after_a_restart_no_quorum_forms_at_the_last_commits_step_before_its_members_are_back():
+    r = (Scenario(workers=6, seed=21449)
+         .gil_hang(0, at_step=3, for_s=2.18)
+         .kill_coordinator(at_step=4, restart_after_s=2.0)
+         .run_until(step=50))
+    _held(r)
+    restarted = r.events_of("coordinator_started")[1]["t"]
+    stale = r.first("worker_joined", 0, after_s=restarted)
+    assert stale["last_committed_step"] == 2 and r.first("worker_joined", 1, after_s=restarted)["t"] > stale["t"]
+    first = r.first("quorum_formed", after_s=restarted)
+    assert first["step"] == 4 and len(first["members"]) == 6  # step 3 was not redone
+    assert [c["step"] for c in r.commits] == list(range(50)) and not r.superseded
+
+
+# Found by the sweep (seed 20376): a second kill of a worker whose restart was still pending started
+# a second process for it; the two incarnations kept replacing each other and it never finished.
+def test_killing_a_worker_that_is_already_dead_does_nothing():
+    r = Scenario(workers=6, seed=20376).crash(2, at_step=26).crash(2, at_step=30).run_until(step=100)
+    _held(r)
+    assert r.summary["workers_completed"] == 6
+    assert len({e["incarnation"] for e in r.events_of("worker_joined", 2)}) == 2  # the first, and one restart
+    assert [e["worker"] for e in r.events_of("fault_skipped")] == ["w2"]
+
+
 # ---- the cross-incarnation checkers catch a coordinator that forgets ----
 
 def _restart_run():
@@ -212,7 +240,7 @@ def test_the_checkers_catch_a_restarted_coordinator_that_loses_committed_steps(m
         return real(self, msgspec.structs.replace(hello, has_state=False, last_committed_step=-1), conn)
 
     monkeypatch.setattr(Coordinator, "_admit", forget_progress)
-    monkeypatch.setattr(Coordinator, "raise_floor", lambda self, quorum_id, step: None)  # and the durable floor
+    monkeypatch.setattr(Coordinator, "raise_floor", lambda self, *floor: None)  # and the durable floor
     r = _restart_run()
     assert not r.ok and any("a committed step was lost" in v for v in r.violations), r.violations
 

@@ -131,6 +131,7 @@ class Coordinator:
         self._speed: dict[str, float] = {}
         self._t0 = host.now()
         self._last_commit_s = host.now()
+        self._floor_commit: tuple[int, frozenset[str]] | None = None  # see raise_floor
         self._stopped = False
         self.all_done = asyncio.Event()
         self.stalled = asyncio.Event()
@@ -210,18 +211,36 @@ class Coordinator:
                 if not session.done:
                     self._suspect(session, "connection lost")  # decides the current step if it must
 
-    def raise_floor(self, quorum_id: int, step: int) -> None:
+    def raise_floor(self, quorum_id: int, step: int, members: tuple[str, ...] = ()) -> None:
         """A restarted incarnation starts above what its predecessors durably recorded before it
-        left their process: the highest quorum id and the highest step committed.
+        left their process: the highest quorum id, the highest step committed and its members.
 
         New ids go above ``quorum_id`` (fencing). Step ``step - 1`` is certainly applied: every
         member of step ``step``'s quorum applied it before it could compute ``step``. So it counts
         as committed, and a stale worker that reconnects first waits for (and heals from) a peer
         that holds it instead of committing it again. Step ``step`` itself may have died in flight
-        with the coordinator, unapplied; a worker that holds it raises the step when it says Hello.
+        with the coordinator, unapplied: until each of ``members`` has said Hello (one holding it
+        raises the cluster step) or ``rejoin_wait_s`` has passed, no quorum forms at ``step``, so
+        it is redone only when none of them holds it.
         """
         self.max_id_seen = max(self.max_id_seen, quorum_id)
         self.cluster_step = max(self.cluster_step, step - 1)
+        if members and self.cluster_step < step:
+            self._floor_commit = (step, frozenset(members))
+
+    def _awaiting_holders(self, now: float) -> tuple[str, ...]:
+        if self._floor_commit is None:
+            return ()
+        step, members = self._floor_commit
+        missing = tuple(sorted(m for m in members if m not in self.sessions))
+        if self.cluster_step >= step or not missing:
+            self._floor_commit = None  # a holder is back, or every member said it does not hold it
+            return ()
+        if now - self._t0 > self.cfg.quorum.rejoin_wait_s:
+            self._floor_commit = None
+            self.emit("rejoin_wait_expired", step=step, missing=list(missing))
+            return ()
+        return missing
 
     def _admit(self, hello: Hello, conn: Connection) -> WorkerSession:
         now = self.host.now()
@@ -453,7 +472,8 @@ class Coordinator:
                             s.has_state, s.joined_at_s) for s in self._sorted_sessions()]
         q = self.quorum
         view = QuorumView(self.cluster_step, q.quorum_id if q else 0, q.members if q else (),
-                          bool(q and q.intact), self.checkpoint[1], self.checkpoint[0], self.max_id_seen)
+                          bool(q and q.intact), self.checkpoint[1], self.checkpoint[0], self.max_id_seen,
+                          self._awaiting_holders(now))
         d = decide_quorum(now, views, view, self.cfg.quorum)
         if d.action is Action.STALL and self._job_finished():
             self._release_late_workers(d.reason)

@@ -32,6 +32,9 @@ class QuorumView:
     checkpoint_step: int  # step of the newest durable checkpoint (-1: none)
     checkpoint_path: str = ""
     max_id_seen: int = 0  # highest id any worker reported (coordinator restarts stay above it)
+    # A restarted coordinator: members of the last commit its predecessor recorded (step
+    # cluster_step + 1) that have not said Hello yet; any of them may hold that step.
+    awaiting_holders: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class QuorumConfig:
     min_workers: int = 1
     expected_workers: int = 1  # the first quorum waits for this many, up to initial_wait_s
     initial_wait_s: float = 60.0
+    # after a coordinator restart: how long to wait for the last recorded commit's members, one of
+    # which may hold it, before the step is redone without them
+    rejoin_wait_s: float = 10.0
     join_timeout_s: float = 0.5  # how long a ready quorum waits for a connected worker not yet asking
     # local-sgd: a member holding any state merges in at the sync instead of being healed over
     merge_stale: bool = False
@@ -72,6 +78,10 @@ def decide_quorum(now: float, members: Sequence[MemberView], view: QuorumView, c
     job_start = view.current_id == 0 and view.max_id_seen == 0 and view.cluster_step < 0
     if job_start and len(waiting) < cfg.expected_workers and now - first_ask < cfg.initial_wait_s:
         return QuorumDecision(Action.WAIT, f"first quorum: {len(waiting)} of {cfg.expected_workers} expected workers ready")
+    if view.awaiting_holders:
+        names = ", ".join(view.awaiting_holders)
+        return QuorumDecision(Action.WAIT, f"coordinator restarted: waiting up to {cfg.rejoin_wait_s:g} s for "
+                              f"{names}, members of step {view.cluster_step + 1}'s commit, which may hold it")
     not_asking = [m for m in healthy if not m.waiting]
     if not_asking and now - first_ask < cfg.join_timeout_s:
         names = ", ".join(m.worker_id for m in not_asking)

@@ -117,8 +117,10 @@ async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResu
 
     def on_event(ev: dict[str, Any]) -> None:
         ev.setdefault("mono", round(time.monotonic(), 6))  # the clock worker span logs use too
-        if ev.get("event") in ("quorum_formed", "step_committed"):  # before it leaves the process
-            floor.raise_to(int(ev["quorum_id"]), int(ev["step"]) if ev["event"] == "step_committed" else -1)
+        if ev.get("event") == "quorum_formed":  # before it leaves the process
+            floor.raise_to(int(ev["quorum_id"]))
+        elif ev.get("event") == "step_committed":
+            floor.raise_to(int(ev["quorum_id"]), int(ev["step"]), tuple(ev["members"]))
         events.append(ev)
         if not events_file.closed:  # late events during shutdown are kept in memory only
             events_file.write(json.dumps(ev) + "\n")
@@ -211,31 +213,38 @@ async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResu
 
 
 class DurableFloor:
-    """``RUN/coordinator_floor``: the highest quorum id formed and the highest step committed, as
-    JSON, replaced atomically before the assignment or commit leaves the process. A restarted
-    coordinator starts above both (:meth:`Coordinator.raise_floor`)."""
+    """``RUN/coordinator_floor``: the highest quorum id formed, and the highest step committed with
+    its members, as JSON, replaced atomically before the assignment or commit leaves the process.
+    A restarted coordinator starts above it (:meth:`Coordinator.raise_floor`)."""
 
     FILE = "coordinator_floor"
 
     def __init__(self, run_dir: Path) -> None:
         self.path, self.quorum_id, self.step = run_dir / self.FILE, 0, -1
+        self.members: tuple[str, ...] = ()
 
-    def raise_to(self, quorum_id: int, step: int) -> None:
+    def raise_to(self, quorum_id: int, step: int = -1, members: tuple[str, ...] = ()) -> None:
         if quorum_id <= self.quorum_id and step <= self.step:
             return
-        self.quorum_id, self.step = max(self.quorum_id, quorum_id), max(self.step, step)
+        self.quorum_id = max(self.quorum_id, quorum_id)
+        if step > self.step:
+            self.step, self.members = step, members
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"quorum_id": self.quorum_id, "step": self.step}))
+        tmp.write_text(json.dumps({"quorum_id": self.quorum_id, "step": self.step, "members": list(self.members)}))
         os.replace(tmp, self.path)
 
     @classmethod
-    def read(cls, run_dir: Path) -> tuple[int, int]:
-        """(quorum id, committed step); (0, -1) when there is none or it cannot be read."""
+    def read(cls, run_dir: Path) -> tuple[int, int, tuple[str, ...]]:
+        """(quorum id, committed step, its members); (0, -1, ()) when there is none or it cannot
+        be read (it is data: parsed as JSON, checked, never executed)."""
         try:
             d = json.loads((run_dir / cls.FILE).read_text())
-            return int(d["quorum_id"]), int(d["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return 0, -1
+            members = d.get("members", [])
+            if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+                raise ValueError("members must be a list of worker ids")
+            return int(d["quorum_id"]), int(d["step"]), tuple(members)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return 0, -1, ()
 
 
 def _coordinator_factory(cfg: LaunchConfig, transport: TcpTransport, store_address: str,

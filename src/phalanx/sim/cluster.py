@@ -247,7 +247,7 @@ class Cluster:
                 await self.coord.stop("simulation finished")
 
     async def _start_coordinator(self, bind: str, resume: tuple[str, int] | None,
-                                 floor: tuple[int, int] = (0, -1)) -> str:
+                                 floor: tuple[int, int, tuple[str, ...]] = (0, -1, ())) -> str:
         """A Coordinator process on the coordinator node; events of an incarnation that has since
         died are dropped (a SIGKILLed process runs no cleanup: its cancelled tasks' finally blocks
         are a simulator artifact, not the protocol's output)."""
@@ -291,8 +291,12 @@ class Cluster:
         # went out): ids above every id the dead incarnation issued and no committed step committed
         # again, even if only a worker that has not reconnected yet (a frozen one) saw them.
         address = await self._start_coordinator(self.coordinator_address, resume,
-                                                floor=(self._fence_qid, self.cluster_step))
+                                                floor=(self._fence_qid, self.cluster_step, self._last_commit_members()))
         assert address == self.coordinator_address, "a restarted coordinator listens at the same address"
+
+    def _last_commit_members(self) -> tuple[str, ...]:
+        entry = self._committed.get(self.cluster_step)
+        return tuple(sorted(entry[1])) if entry else ()
 
     def emit(self, event: str, **fields: Any) -> None:
         """A simulator event (a fault, a heal) in the trace, whether or not a coordinator is up."""
@@ -359,6 +363,11 @@ class Cluster:
             return
         if k is FaultKind.KILL:
             assert w is not None
+            if not w.node.alive:
+                # already dead, its restart pending: like SIGKILL to a process that has exited, this
+                # does nothing (and must not start a second process for the worker)
+                self.emit("fault_skipped", kind=k.value, worker=w.worker_id, reason="the process is not running")
+                return
             if w.agent is not None:
                 self._killed.add((w.worker_id, w.agent.incarnation))
             w.crash()
