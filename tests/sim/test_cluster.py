@@ -136,3 +136,16 @@ def test_sim_run_cli_writes_the_real_run_layout(tmp_path):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 12 and {"step", "quorum_id", "members", "loss", "step_s"} <= set(json.loads(lines[0]))
     assert (tmp_path / "run" / "events.jsonl").exists() and (tmp_path / "run" / "workers" / "w1.jsonl").exists()
+
+
+def test_a_schedule_that_kills_every_holder_of_the_state_is_an_expected_stop_not_a_failure():
+    # 2 workers: w0 dies at step 8 and is still restarting when w1, the only holder, dies at 11
+    from phalanx.sim.sweep import expected_stop
+
+    faults = [{"kind": "kill", "at_step": 8, "worker": 0}, {"kind": "kill", "at_step": 11, "worker": 1}]
+    r = run_schedule(80013, 2, 40, faults)
+    assert not r.ok and not r.violations and "no connected worker holds step" in r.reason
+    assert r.summary["all_state_lost"]["step"] == 10 and expected_stop(r)
+    # one holder left (w1 killed while w0 is alive and current) is no excuse: it must go on
+    r2 = run_schedule(80013, 2, 40, [{"kind": "kill", "at_step": 11, "worker": 1}])
+    assert r2.ok and r2.summary["all_state_lost"] is None and not expected_stop(r2)

@@ -211,6 +211,7 @@ class Cluster:
         self._last_qid = 0
         self._fence_qid = 0  # every id formed by a dead coordinator incarnation
         self._coord_epoch = 0  # coordinator incarnation
+        self._state_lost: tuple[float, int] | None = None  # (time, step): see _note_state_loss
         # dead incarnations as they were when killed: (start time, commit records, steps retried)
         self._retired: list[tuple[float, list[CommitRecord], int]] = []
         self._applied: list[tuple[float, str, int, int]] = []
@@ -294,6 +295,18 @@ class Cluster:
                                                 floor=(self._fence_qid, self.cluster_step, self._last_commit_members()))
         assert address == self.coordinator_address, "a restarted coordinator listens at the same address"
 
+    def _note_state_loss(self) -> None:
+        """Record the first moment no live process holds the newest state (step cluster_step, or
+        the one before with that commit's decision still in flight). Without checkpoints the
+        cluster cannot go on from there, in the simulator as in a real run: the liveness phase of
+        a sweep expects that stall instead of progress."""
+        if self._state_lost is not None or self.cluster_step < 0:
+            return
+        if not any(o.agent is not None and o.node.alive and o.agent.last_committed_step >= self.cluster_step - 1
+                   for o in self.sim_workers):
+            self._state_lost = (round(self._loop.time(), 6), self.cluster_step)
+            self.emit("all_state_lost", step=self.cluster_step)
+
     def _last_commit_members(self) -> tuple[str, ...]:
         entry = self._committed.get(self.cluster_step)
         return tuple(sorted(entry[1])) if entry else ()
@@ -371,6 +384,7 @@ class Cluster:
             if w.agent is not None:
                 self._killed.add((w.worker_id, w.agent.incarnation))
             w.crash()
+            self._note_state_loss()
             if not f.restart:
                 w.gone = True
                 return
@@ -486,6 +500,8 @@ class Cluster:
             "steps_committed": len(commits),
             "steps_retried": sum(r for _, _, r in self._incarnations()),
             "faults": faults, "coordinator_restarts": len(self._retired), "commit_decisions_lost": len(superseded),
+            "all_state_lost": None if self._state_lost is None else {"t": self._state_lost[0],
+                                                                      "step": self._state_lost[1]},
             "workers_completed": sum(1 for w in self.sim_workers if w.completed),
             "workers_incomplete": {w.worker_id: w.ended or "still running" for w in self.sim_workers
                                    if not w.completed},
