@@ -107,6 +107,23 @@ def test_hung_worker_that_heartbeats_is_caught_by_progress_watch():
     assert [s for t, s in r.applied_by(2) if t > back["t"]][-1] == 89
 
 
+# Found by a denser sweep (seed 95104, 4 workers x 60 steps, up to 8 faults): w1 asked for a quorum
+# 4 ms before it was cut off; the coordinator suspected it (no heartbeat) and dropped its request;
+# when the partition healed its heartbeats cleared the suspicion but not the drop, so w1 waited for
+# an answer that never came while every quorum formed without it (300 s in a real run).
+def test_a_worker_suspected_while_its_quorum_request_was_pending_is_taken_back_when_it_returns():
+    r = (Scenario(workers=4, seed=95104)
+         .freeze(0, at_step=13, for_s=1.67).isolate(1, for_s=3.47, at_step=29)
+         .kill_coordinator(at_step=12, restart_after_s=1.41).crash(3, at_step=27).hang(0, at_step=14, for_s=3.98)
+         .run_until(step=60))
+    _held(r)
+    assert r.first("worker_suspected", 1)["reason"].startswith("no heartbeat")
+    healed = r.first("partition_healed")["t"]
+    back = r.first("quorum_formed", after_s=healed)
+    assert "w1" in back["members"] and back["t"] - healed < 1.0
+    assert r.summary["workers_completed"] == 4
+
+
 # ---- the coordinator ----
 
 def test_quorum_ids_stay_above_every_id_after_coordinator_restart():

@@ -69,6 +69,9 @@ class WorkerSession:
     suspected: str = ""  # non-empty: why it is out of the quorum
     waiting: bool = False
     waiting_since_s: float = 0.0
+    # its quorum request was still unanswered when it was suspected: a worker that comes back (its
+    # heartbeats resume after a partition or freeze) is still waiting on that request
+    asked_when_suspected: bool = False
     phase: tuple[fd.Phase, float] = (fd.Phase.REQUESTED, 0.0)
     done: bool = False
     requested_step: int = -1  # the step number the worker asked a quorum for (local-sgd: its local step)
@@ -267,6 +270,12 @@ class Coordinator:
             if s.suspected.startswith("no heartbeat"):
                 self.emit("worker_alive_again", worker=s.worker_id, was=s.suspected)
                 s.suspected = ""
+                if s.asked_when_suspected and not s.waiting:
+                    # Found by the simulator: it asked, was suspected before any answer, and kept
+                    # waiting for one; without this it sat outside every quorum until the job ended.
+                    s.waiting, s.waiting_since_s = True, now
+                    self._waiting_n += 1
+                s.asked_when_suspected = False
             return
         if isinstance(m, QuorumRequest):
             if s.suspected.startswith("no step progress"):
@@ -282,6 +291,7 @@ class Coordinator:
             if self._waiting_n < self._healthy_n:
                 return  # others are still to ask: the ticker or the last request decides (O(1) here)
         elif isinstance(m, QuorumCancel):
+            s.asked_when_suspected = False
             if s.waiting:
                 s.waiting = False
                 self._waiting_n -= 1
@@ -424,6 +434,7 @@ class Coordinator:
             return
         if s.waiting:
             self._waiting_n -= 1
+        s.asked_when_suspected = s.waiting
         s.suspected, s.waiting = reason, False
         self.emit("worker_suspected", worker=s.worker_id, reason=reason)
         q = self.quorum
