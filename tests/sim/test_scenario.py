@@ -226,6 +226,21 @@ def test_killing_a_worker_that_is_already_dead_does_nothing():
     assert [e["worker"] for e in r.events_of("fault_skipped")] == ["w2"]
 
 
+# Found by a denser sweep (seed 100856): all four workers reconnected to the restarted coordinator
+# within a microsecond, but it formed a quorum with the first alone; that worker then died holding
+# the only copy of the step it committed, and the job could not go on.
+def test_a_restarted_coordinator_waits_for_the_last_quorum_before_it_forms_again():
+    r = (Scenario(workers=4, seed=100856)
+         .latency(mean_ms=30.0, jitter_ms=4.1, at_step=3, for_s=2.65)
+         .kill_coordinator(at_step=20, restart_after_s=2.91)
+         .crash(0, at_step=21)
+         .run_until(step=60))
+    _held(r)
+    restarted = r.events_of("coordinator_started")[1]["t"]
+    assert r.first("quorum_formed", after_s=restarted)["members"] == ["w0", "w1", "w2", "w3"]
+    assert r.summary["all_state_lost"] is None
+
+
 # ---- the cross-incarnation checkers catch a coordinator that forgets ----
 
 def _restart_run():

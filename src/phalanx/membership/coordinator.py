@@ -222,13 +222,14 @@ class Coordinator:
         member of step ``step``'s quorum applied it before it could compute ``step``. So it counts
         as committed, and a stale worker that reconnects first waits for (and heals from) a peer
         that holds it instead of committing it again. Step ``step`` itself may have died in flight
-        with the coordinator, unapplied: until each of ``members`` has said Hello (one holding it
-        raises the cluster step) or ``rejoin_wait_s`` has passed, no quorum forms at ``step``, so
-        it is redone only when none of them holds it.
+        with the coordinator, unapplied; a worker that holds it raises the cluster step when it
+        says Hello. Until each of ``members`` has said Hello (or ``rejoin_wait_s`` has passed) no
+        quorum forms: so step ``step`` is redone only when none of them holds it, and the first
+        worker to reconnect does not go on alone while its peers are a moment behind it.
         """
         self.max_id_seen = max(self.max_id_seen, quorum_id)
         self.cluster_step = max(self.cluster_step, step - 1)
-        if members and self.cluster_step < step:
+        if members:
             self._floor_commit = (step, frozenset(members))
 
     def _awaiting_holders(self, now: float) -> tuple[str, ...]:
@@ -236,8 +237,8 @@ class Coordinator:
             return ()
         step, members = self._floor_commit
         missing = tuple(sorted(m for m in members if m not in self.sessions))
-        if self.cluster_step >= step or not missing:
-            self._floor_commit = None  # a holder is back, or every member said it does not hold it
+        if not missing:
+            self._floor_commit = None  # every member said Hello (one holding the step raised it)
             return ()
         if now - self._t0 > self.cfg.quorum.rejoin_wait_s:
             self._floor_commit = None

@@ -32,8 +32,8 @@ class QuorumView:
     checkpoint_step: int  # step of the newest durable checkpoint (-1: none)
     checkpoint_path: str = ""
     max_id_seen: int = 0  # highest id any worker reported (coordinator restarts stay above it)
-    # A restarted coordinator: members of the last commit its predecessor recorded (step
-    # cluster_step + 1) that have not said Hello yet; any of them may hold that step.
+    # A restarted coordinator: members of the last commit its predecessor recorded that have not
+    # said Hello yet; any of them may hold that step, and none should be left behind.
     awaiting_holders: tuple[str, ...] = ()
 
 
@@ -81,7 +81,7 @@ def decide_quorum(now: float, members: Sequence[MemberView], view: QuorumView, c
     if view.awaiting_holders:
         names = ", ".join(view.awaiting_holders)
         return QuorumDecision(Action.WAIT, f"coordinator restarted: waiting up to {cfg.rejoin_wait_s:g} s for "
-                              f"{names}, members of step {view.cluster_step + 1}'s commit, which may hold it")
+                              f"{names}, members of the last recorded commit, to reconnect")
     not_asking = [m for m in healthy if not m.waiting]
     if not_asking and now - first_ask < cfg.join_timeout_s:
         names = ", ".join(m.worker_id for m in not_asking)

@@ -297,13 +297,17 @@ class Cluster:
 
     def _note_state_loss(self) -> None:
         """Record the first moment no live process holds the newest state (step cluster_step, or
-        the one before with that commit's decision still in flight). Without checkpoints the
+        the one before for a member of that commit, its decision still in flight). Without checkpoints the
         cluster cannot go on from there, in the simulator as in a real run: the liveness phase of
         a sweep expects that stall instead of progress."""
         if self._state_lost is not None or self.cluster_step < 0:
             return
-        if not any(o.agent is not None and o.node.alive and o.agent.last_committed_step >= self.cluster_step - 1
-                   for o in self.sim_workers):
+        s = self.cluster_step
+        members = self._committed.get(s, (0, set()))[1]
+        # a live process holds it, or is a member of its commit with the decision still on the way
+        held = [o.agent.last_committed_step >= s or (o.worker_id in members and o.agent.last_committed_step == s - 1)
+                for o in self.sim_workers if o.agent is not None and o.node.alive]
+        if not any(held):
             self._state_lost = (round(self._loop.time(), 6), self.cluster_step)
             self.emit("all_state_lost", step=self.cluster_step)
 
