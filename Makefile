@@ -22,7 +22,9 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
 
 sweep: $(STAMP)
-	$(VENV)/bin/phalanx sim sweep --seeds 200
+	$(VENV)/bin/phalanx sim sweep --seeds 200 --out runs/sweep/8x40
+	$(VENV)/bin/phalanx sim sweep --seeds 300 --workers 4 --steps 60 --max-faults 8 --first-seed 100000 --out runs/sweep/4x60-dense
+	$(VENV)/bin/phalanx sim sweep --seeds 200 --workers 2 --steps 40 --first-seed 80000 --out runs/sweep/2x40
 
 bench: $(STAMP)
 	$(PY) -m phalanx.bench training

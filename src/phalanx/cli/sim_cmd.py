@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     sw.add_argument("--first-seed", type=int, default=0)
     sw.add_argument("--workers", type=int, default=8)
     sw.add_argument("--steps", type=int, default=40)
+    sw.add_argument("--max-faults", type=int, default=4, help="each schedule draws 1..N faults (default 4)")
     sw.add_argument("--out", default="runs/sweep")
     sw.set_defaults(fn=_sweep)
 
@@ -112,7 +113,7 @@ def _sweep(args: argparse.Namespace) -> int:
                                    f"{replay_command(o, args.workers, args.steps)}")
 
         outcomes = sweep(range(args.first_seed, args.first_seed + args.seeds), args.workers, args.steps,
-                         Path(args.out), on_seed)
+                         Path(args.out), on_seed, max_faults=args.max_faults)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "sweep.json").write_text(json.dumps(
         [{"seed": o.seed, "ok": o.ok, "reason": o.reason, "faults": o.faults, "shrunk": o.shrunk,

@@ -112,10 +112,10 @@ def shrink(seed: int, workers: int, steps: int, faults: list[dict[str, object]],
 
 
 def sweep(seeds: range, workers: int, steps: int, out_dir: Path,
-          on_seed: Callable[[SeedOutcome], None] | None = None) -> list[SeedOutcome]:
+          on_seed: Callable[[SeedOutcome], None] | None = None, max_faults: int = 4) -> list[SeedOutcome]:
     outcomes = []
     for seed in seeds:
-        faults = random_schedule(seed, workers, steps)
+        faults = random_schedule(seed, workers, steps, max_faults)
         res = run_schedule(seed, workers, steps, faults)
         o = SeedOutcome(seed, res.ok or expected_stop(res), res.reason, faults, res)
         if expected_stop(res):
