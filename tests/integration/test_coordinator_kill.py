@@ -18,6 +18,16 @@ def _worker_commits(run_dir, worker):
     return [r["step"] for r in map(json.loads, lines) if r.get("event") == "committed"]
 
 
+def _each_step_committed_once(run_dir, steps, workers=("w0", "w1", "w2")):
+    """metrics.jsonl holds each step once, and no worker applied a step twice; returns the records."""
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(steps))
+    for w in workers:
+        mine = _worker_commits(run_dir, w)
+        assert mine == sorted(set(mine)), f"{w} committed a step twice: {mine}"
+    return metrics
+
+
 def test_coordinator_killed_at_step_10_restarts_and_the_job_ends_strict_equal(tmp_path):
     plan = '[[fault]]\nkind = "coordinator_kill"\nat_step = 10\nrestart_after_s = 1.0\n'
     s = train(tmp_path, plan, workers=3, steps=40, checkpoint_every_steps=5, **PACE)
@@ -33,11 +43,7 @@ def test_coordinator_killed_at_step_10_restarts_and_the_job_ends_strict_equal(tm
     assert evs[restart]["mono"] - evs[crash]["mono"] >= 0.95
 
     # no committed step lost or committed twice, across both incarnations
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(40))
-    for w in ("w0", "w1", "w2"):
-        mine = _worker_commits(run, w)
-        assert mine == sorted(set(mine)), f"{w} committed a step twice: {mine}"
+    metrics = _each_step_committed_once(run, 40)
     assert any(e["event"] == "step_committed" for e in evs[restart:]), "the new incarnation commits"
 
     # fencing: every quorum after the restart has a higher id than any quorum before the crash
@@ -58,8 +64,7 @@ def test_two_coordinator_kills_one_at_a_commit_one_mid_step_keep_every_step_comm
     assert_strict(s)
     run = tmp_path / "run"
     evs = events(run)
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(60))
+    _each_step_committed_once(run, 60)
     crashes = [i for i, e in enumerate(evs) if e["event"] == "coordinator_crashed"]
     assert len(crashes) == 2
     for crash in crashes:
@@ -92,11 +97,7 @@ def test_a_worker_frozen_across_a_coordinator_restart_never_makes_the_new_one_re
     s = train(tmp_path, plan, workers=3, steps=40, **PACE)
     assert_strict(s)
     run = tmp_path / "run"
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(40))
-    for w in ("w0", "w1", "w2"):
-        mine = _worker_commits(run, w)
-        assert mine == sorted(set(mine)), f"{w} committed a step twice: {mine}"
+    _each_step_committed_once(run, 40)
     evs = events(run)
     restart = [i for i, e in enumerate(evs) if e["event"] == "coordinator_started"][1]
     assert evs[restart]["cluster_step"] >= 10  # from the floor (steps 0..11 committed), before any Hello

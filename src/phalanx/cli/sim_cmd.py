@@ -118,7 +118,7 @@ def _sweep(args: argparse.Namespace) -> int:
     (Path(args.out) / "sweep.json").write_text(json.dumps(
         [{"seed": o.seed, "ok": o.ok, "reason": o.reason, "faults": o.faults, "shrunk": o.shrunk,
           "plan": o.plan_path} for o in outcomes], indent=2))
-    stopped = sum(1 for o in outcomes if o.ok and o.reason.startswith("expected stop"))
+    stopped = sum(1 for o in outcomes if o.expected_stop)
     note = f", {stopped} of them by stopping as they should: every holder of the state was killed" if stopped else ""
     print(f"phalanx sim sweep: {len(outcomes) - len(failed)} of {len(outcomes)} seeds passed{note} "
           f"({args.workers} workers x {args.steps} steps each); results in {args.out}/sweep.json")

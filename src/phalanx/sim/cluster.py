@@ -296,10 +296,10 @@ class Cluster:
         assert address == self.coordinator_address, "a restarted coordinator listens at the same address"
 
     def _note_state_loss(self) -> None:
-        """Record the first moment no live process holds the newest state (step cluster_step, or
-        the one before for a member of that commit, its decision still in flight). Without checkpoints the
-        cluster cannot go on from there, in the simulator as in a real run: the liveness phase of
-        a sweep expects that stall instead of progress."""
+        """Record the first moment no live process holds the newest state: step cluster_step, or
+        the one before for a member of that commit (its decision still in flight). Without
+        checkpoints the cluster cannot go on from there, in the simulator as in a real run: the
+        liveness phase of a sweep expects that stall instead of progress."""
         if self._state_lost is not None or self.cluster_step < 0:
             return
         s = self.cluster_step
@@ -308,8 +308,8 @@ class Cluster:
         held = [o.agent.last_committed_step >= s or (o.worker_id in members and o.agent.last_committed_step == s - 1)
                 for o in self.sim_workers if o.agent is not None and o.node.alive]
         if not any(held):
-            self._state_lost = (round(self._loop.time(), 6), self.cluster_step)
-            self.emit("all_state_lost", step=self.cluster_step)
+            self._state_lost = (round(self._loop.time(), 6), s)
+            self.emit("all_state_lost", step=s)
 
     def _last_commit_members(self) -> tuple[str, ...]:
         entry = self._committed.get(self.cluster_step)

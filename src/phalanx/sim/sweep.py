@@ -80,6 +80,7 @@ class SeedOutcome:
     result: SimResult | None = None
     shrunk: list[dict[str, object]] | None = None
     plan_path: str = ""
+    expected_stop: bool = False  # ok because it stopped as it should (see expected_stop())
 
 
 def run_schedule(seed: int, workers: int, steps: int, faults: list[dict[str, object]]) -> SimResult:
@@ -117,8 +118,9 @@ def sweep(seeds: range, workers: int, steps: int, out_dir: Path,
     for seed in seeds:
         faults = random_schedule(seed, workers, steps, max_faults)
         res = run_schedule(seed, workers, steps, faults)
-        o = SeedOutcome(seed, res.ok or expected_stop(res), res.reason, faults, res)
-        if expected_stop(res):
+        stopped = expected_stop(res)
+        o = SeedOutcome(seed, res.ok or stopped, res.reason, faults, res, expected_stop=stopped)
+        if stopped:
             lost = res.summary["all_state_lost"]
             o.reason = (f"expected stop: at t={lost['t']}s every process holding step {lost['step']} had been killed, "
                         "and without a checkpoint nobody can go on (safety invariants held)")
