@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from phalanx.core.errors import FinalStateUnavailable, JobFailed, PhalanxError
+
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
@@ -21,4 +23,4 @@ def join(**overrides: Any) -> "Job":
     return _join(**overrides)
 
 
-__all__ = ["join", "__version__"]
+__all__ = ["join", "FinalStateUnavailable", "JobFailed", "PhalanxError", "__version__"]

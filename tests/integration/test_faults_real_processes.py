@@ -66,13 +66,14 @@ def test_kill_every_worker_then_resume_reaches_the_same_parameters(tmp_path):
     assert_strict(resumed)
 
 
-def test_worker_restarted_after_the_job_finished_catches_up_from_the_final_checkpoint(tmp_path):
-    # The job ends (fast, unpaced steps) long before the restarted worker is back: it restores the
-    # final checkpoint instead of stalling, and ends with the same parameters as the others.
+def test_worker_restarted_after_the_job_finished_catches_up_to_the_final_state(tmp_path):
+    # The job ends (fast, unpaced steps) long before the restarted worker is back: it heals from a
+    # peer still draining (or restores the final checkpoint) instead of stalling, and ends with
+    # the same parameters as the others.
     plan = '[[fault]]\nkind = "kill"\nworker = 2\nat_step = 5\nrestart = true\n'
     s = train(tmp_path, plan, workers=3, steps=30, checkpoint_every_steps=100)
     assert_strict(s)
     evs = events(tmp_path / "run")
-    assert any(e["event"] == "caught_up_after_finish" and e["members"] == ["w2"] for e in evs)
+    assert any(e["event"] == "caught_up_after_finish" and "w2" in e["members"] for e in evs)
     assert "w2" in s["reference_max_abs_diff_per_worker"]
     assert not any(e["event"] == "step_aborted" and e["step"] >= 30 for e in evs)

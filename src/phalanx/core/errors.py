@@ -74,6 +74,20 @@ class JobFailed(PhalanxError):
     """The job as a whole cannot continue (all workers lost, restarts exhausted, ...)."""
 
 
+class FinalStateUnavailable(JobFailed):
+    """``job.steps()`` ended without this worker holding the job's final state: the job finished
+    while it was behind and neither a peer nor a durable checkpoint could catch it up. Raised
+    instead of a normal end, so a loop that saves the model afterwards cannot save a stale one."""
+
+    def __init__(self, worker_id: str, held_step: int, final_step: int, why: str) -> None:
+        self.worker_id, self.held_step, self.final_step = worker_id, held_step, final_step
+        final = f"the job's final step is {final_step} but " if final_step >= 0 else ""
+        super().__init__(
+            f"{worker_id}: {final}this worker holds step {held_step} and could not obtain the final state "
+            f"({why}); its parameters are NOT the final model. Load the final checkpoint (RUN/checkpoints) or "
+            "save the model from a worker whose job.steps() ended normally")
+
+
 class JobOver(PhalanxError):
     """The coordinator ended this worker's part in the job (it finished while this worker was behind,
     or it shut down). Not a failure of the job; the worker's state is not the final state."""

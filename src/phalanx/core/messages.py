@@ -114,6 +114,8 @@ class Welcome(_Msg):
     sync_every_steps: int = 10
     max_staleness_steps: int = 30
     sync_timeout_s: float = 1.0
+    # a worker that finished holding the final state stays this long to heal a late peer
+    drain_s: float = 5.0
 
 
 class QuorumAssigned(_Msg):
@@ -128,6 +130,7 @@ class QuorumAssigned(_Msg):
     write_checkpoint: bool = False  # this member writes the durable checkpoint after commit
     shard_weights: list[float] = []  # available mode: each member's share of the global batch ([] = even)
     local_step: int = -1  # local-sgd: the furthest local step among the members; all continue from it
+    catch_up: bool = False  # the job is over: restore or heal to the final state, nothing to compute
 
 
 class QuorumBroken(_Msg):

@@ -35,6 +35,9 @@ class CoordinatorConfig:
     run_dir: str = ""
     run_id: str = "run"
     modes: ModeConfig = ModeConfig()
+    # how long a worker that finished holding the final state stays to heal a late peer (a frozen
+    # worker that wakes after the last step); released at once when no worker can still need it
+    drain_s: float = 5.0
 
 
 def apply_mode(cfg: CoordinatorConfig) -> CoordinatorConfig:
@@ -74,6 +77,9 @@ class WorkerSession:
     asked_when_suspected: bool = False
     phase: tuple[fd.Phase, float] = (fd.Phase.REQUESTED, 0.0)
     done: bool = False
+    # said Goodbye holding the final state and still connected: a heal source for late workers
+    holds_final: bool = False
+    released: bool = False  # told it may leave (no worker can still need its final state)
     requested_step: int = -1  # the step number the worker asked a quorum for (local-sgd: its local step)
     outbox: asyncio.Queue[Any] = field(default_factory=lambda: asyncio.Queue(maxsize=1024))
 
@@ -199,7 +205,7 @@ class Coordinator:
                                 deadline_s=self.cfg.modes.deadline_s,
                                 sync_every_steps=self.cfg.modes.sync_every_steps,
                                 max_staleness_steps=self.cfg.modes.max_staleness_steps,
-                                sync_timeout_s=self.cfg.modes.sync_timeout_s))
+                                sync_timeout_s=self.cfg.modes.sync_timeout_s, drain_s=self.cfg.drain_s))
         try:
             while not conn.is_closed:
                 message, _ = await conn.recv()
@@ -318,12 +324,15 @@ class Coordinator:
         elif isinstance(m, Goodbye):
             s.done = True
             self.completed_workers += int(m.completed)
+            if m.completed:
+                s.holds_final, s.has_state, s.last_committed_step = True, True, m.final_step
             if s.waiting:
                 s.waiting = False
                 self._waiting_n -= 1
             self.emit("worker_finished", worker=s.worker_id, completed=m.completed, reason=m.reason)
             if all(x.done for x in self.sessions.values()):
                 self.all_done.set()
+            self._release_drainers()
             q = self.quorum
             if q is None or q.decided or s.worker_id not in q.member_set:
                 return
@@ -370,6 +379,7 @@ class Coordinator:
             self._healthy_n, self._waiting_n = healthy_n, waiting_n
             self._form_blocked = False
             self._evaluate(from_tick=True)
+            self._release_drainers()
 
     def _evaluate(self, from_tick: bool = False) -> None:
         """Decide the current step's commit and the next quorum.
@@ -480,14 +490,19 @@ class Coordinator:
         self.emit("step_aborted", step=q.step, quorum_id=q.quorum_id, reason=why)
 
     def _maybe_form(self, now: float) -> None:
-        views = [MemberView(s.worker_id, s.healthy, s.waiting, s.waiting_since_s, s.last_committed_step,
-                            s.has_state, s.joined_at_s) for s in self._sorted_sessions()]
+        finished = self._job_finished()
+        if finished and not any(s.healthy and s.waiting for s in self.sessions.values()):
+            return  # after the last step only a late worker asking to catch up needs a quorum
+        views = [self._member_view(s, finished) for s in self._sorted_sessions()]
         q = self.quorum
         view = QuorumView(self.cluster_step, q.quorum_id if q else 0, q.members if q else (),
                           bool(q and q.intact), self.checkpoint[1], self.checkpoint[0], self.max_id_seen,
                           self._awaiting_holders(now))
-        d = decide_quorum(now, views, view, self.cfg.quorum)
-        if d.action is Action.STALL and self._job_finished():
+        # once the job is over a late worker adopts the final state, in every mode (local-sgd too:
+        # it does not merge its stale parameters into a finished job)
+        qcfg = replace(self.cfg.quorum, merge_stale=False) if finished else self.cfg.quorum
+        d = decide_quorum(now, views, view, qcfg)
+        if d.action is Action.STALL and finished:
             self._release_late_workers(d.reason)
             return
         if d.action is Action.STALL:
@@ -506,8 +521,8 @@ class Coordinator:
                                              for i, w in enumerate(d.members)})
         local_step = max(self.sessions[w].requested_step for w in d.members)
         self.max_id_seen = max(self.max_id_seen, d.quorum_id)
-        writer = self._checkpoint_writer(d)
-        self._waiting_n = max(0, self._waiting_n - len(d.members))
+        writer = "" if finished else self._checkpoint_writer(d, local_step)
+        self._waiting_n = max(0, self._waiting_n - sum(1 for w in d.members if not self.sessions[w].done))
         heal_targets: dict[str, list[str]] = {}
         for t in sorted(d.heal_from):
             heal_targets.setdefault(d.heal_from[t], []).append(t)
@@ -519,15 +534,33 @@ class Coordinator:
                                  heal_from=src, heal_address=self.sessions[src].heal_address if src else "",
                                  heal_targets=heal_targets.get(w, []),
                                  restore_checkpoint=d.restore_checkpoint, write_checkpoint=(w == writer),
-                                 shard_weights=weights, local_step=local_step)
+                                 shard_weights=weights, local_step=local_step, catch_up=finished)
             self._send(s, msg)
         if not (q and q.quorum_id == d.quorum_id):
             self.emit("quorum_formed", quorum_id=d.quorum_id, step=d.step, members=list(d.members), reason=d.reason)
-        if self._job_finished() and self.cfg.modes.mode is not ConsistencyMode.LOCAL_SGD:
-            # A catch-up after the last step: members only restore or heal, there is nothing to commit.
-            # (In local-sgd a late member still merges: its own steps are not over.)
+        if finished:
+            # A catch-up after the last step: late members restore or heal from a worker that holds
+            # the final state (one still draining); there is nothing to compute or commit.
             self.quorum.decided = True
             self.emit("caught_up_after_finish", members=list(d.members), step=self.cluster_step)
+
+    def _member_view(self, s: WorkerSession, finished: bool) -> MemberView:
+        if finished and s.holds_final and s.connected:
+            # a drainer: it said Goodbye holding the final state and can serve it to a late worker
+            return MemberView(s.worker_id, True, True, s.waiting_since_s, s.last_committed_step, True, s.joined_at_s)
+        return MemberView(s.worker_id, s.healthy, s.waiting, s.waiting_since_s, s.last_committed_step,
+                          s.has_state, s.joined_at_s)
+
+    def _release_drainers(self) -> None:
+        """Workers that finished wait (up to ``drain_s``) to heal a late peer. Once every worker
+        has said Goodbye, none can still need the final state: they may leave at once. (A worker
+        that is behind, frozen, or killed and maybe restarting keeps them, for at most drain_s.)"""
+        drainers = [s for s in self._sorted_sessions() if s.holds_final and s.connected and not s.released]
+        if not drainers or not all(s.done for s in self.sessions.values()):
+            return
+        for s in drainers:
+            s.released = True
+            self._send(s, Shutdown(reason="job finished: no worker needs the final state any more"))
 
     def _job_finished(self) -> bool:
         if self.cfg.modes.mode is ConsistencyMode.LOCAL_SGD:
@@ -545,10 +578,17 @@ class Coordinator:
                                               f"was behind, and {why.split(';')[0]}"))
                 self.emit("late_worker_released", worker=s.worker_id, last_committed_step=s.last_committed_step)
 
-    def _checkpoint_writer(self, d: Any) -> str:
+    def _checkpoint_writer(self, d: Any, local_step: int) -> str:
+        """Who writes a durable checkpoint after this step: every K steps, and always after the
+        job's last step when the run has a directory (a worker that wakes after every peer has
+        left restores the final state from it)."""
         k = self.cfg.checkpoint_every_steps
-        final = self.total_steps > 0 and d.step == self.total_steps - 1  # lets late workers catch up
-        if k <= 0 or ((d.step + 1) % k != 0 and not final):
+        if self.cfg.modes.mode is ConsistencyMode.LOCAL_SGD:
+            final = self.total_steps > 0 and local_step >= self.total_steps
+        else:
+            final = self.total_steps > 0 and d.step == self.total_steps - 1
+        periodic = k > 0 and (d.step + 1) % k == 0
+        if not (periodic or (final and (k > 0 or self.cfg.run_dir))):
             return ""
         return next((w for w in d.members if w not in d.heal_from), d.members[0])
 

@@ -110,6 +110,8 @@ class SimWorker:
         self.completed = step >= total
         self.ended = "finished" if self.completed else "gave up"
         await agent.goodbye(self.completed, self.ended)
+        if self.completed:
+            await agent.drain()  # stay to heal a late peer, like a real worker
 
     async def _prepare(self, agent: WorkerAgent, a: Assignment) -> None:
         t0 = agent.host.now()

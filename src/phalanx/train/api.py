@@ -33,7 +33,7 @@ import torch
 
 from phalanx.core.auth import read_token_file
 from phalanx.core.errors import (
-    CollectiveError, ConfigError, CoordinatorLost, HealError, JobFailed, JobOver, PeerTimeout,
+    CheckpointError, CollectiveError, ConfigError, CoordinatorLost, FinalStateUnavailable, HealError, JobFailed, JobOver, PeerTimeout,
     QuorumBroken, StaleEpoch, StateCorrupt,
 )
 from phalanx.train import sharding
@@ -157,14 +157,10 @@ class Job:
                 try:
                     a = self._acquire(step, total)
                 except JobOver as e:
-                    self.ended_reason = str(e)
-                    print(f"phalanx {self.worker_id}: {e}", file=sys.stderr, flush=True)
-                    self._current = None
-                    self._call(self.agent.goodbye(False, str(e)))
-                    return
+                    self._end_without_final(total - 1, str(e))
                 step = a.step
-                if step >= total:
-                    break
+                if step >= total or a.catch_up:
+                    break  # a catch-up restored or healed the final state
                 st = Step(self, a)
                 self._current = st
                 rng = torch.get_rng_state()
@@ -182,17 +178,34 @@ class Job:
         self._finish(True, "finished")
 
     def _finish(self, completed: bool, reason: str) -> None:
-        """The loop is over (both modes): say goodbye, holding the final state or not."""
+        """The loop is over (both modes): say goodbye, holding the final state or not. A worker
+        that holds it stays reachable for a bounded drain window, so a late peer can heal from it
+        (the training thread waits here, so the state it serves is the final one)."""
         self._current = None
         self.completed, self.ended_reason = completed, reason
         self._call(self.agent.goodbye(completed, reason))
+        if completed:
+            self._call(self.agent.drain())
+
+    def _end_without_final(self, final_step: int, why: str) -> None:
+        """The job ended while this worker was behind and nothing could catch it up: never a
+        normal end of ``job.steps()`` (the loop after it would save a stale model)."""
+        held = self.agent.last_committed_step
+        print(f"phalanx {self.worker_id}: {why}", file=sys.stderr, flush=True)
+        self._finish(False, why)
+        raise FinalStateUnavailable(self.worker_id, held, final_step, why)
 
     def _acquire(self, step: int, total: int = -1) -> Assignment:
         t0 = time.monotonic()
         for _ in range(MAX_ATTEMPTS_PER_STEP):
             try:
                 a = self._call(self.agent.wait_for_quorum(step, total))
-                self._prepare(a)
+                try:
+                    self._prepare(a)
+                except (CheckpointError, OSError) as e:
+                    if a.catch_up:  # the finished job's final checkpoint is all there was
+                        raise JobOver(f"restoring the final checkpoint {a.restore_checkpoint} failed: {e}") from e
+                    raise
                 self._last = a
                 self.max_world_size = max(self.max_world_size, a.world_size)
                 self._spans.add("quorum_wait", t0, step=a.step, quorum_id=a.quorum_id)
@@ -322,10 +335,10 @@ class Job:
         every, bound = self.agent.welcome.sync_every_steps, self.agent.welcome.max_staleness_steps
         self._samples_since_merge = 0
         try:
-            a = self._sync(0, must=True)  # round 0: everyone starts from the same state and ranks
+            a = self._sync(0, must=True, total=total)  # round 0: everyone starts from the same state
             if a is None:
                 return
-            k = max(0, a.local_step)
+            k = total if a.catch_up else max(0, a.local_step)
             merged_at = k
             while k < total:
                 st = Step(self, dataclasses.replace(a, step=k, heal_from="", heal_targets=(),
@@ -342,21 +355,21 @@ class Job:
                 self._spans.event("local_step", step=k - 1, loss=st.loss, staleness=k - merged_at,
                                   samples=st._shard[1] if st._shard else 0)
                 if k % every == 0 or k == total or k - merged_at >= bound:
-                    got = self._sync(k, must=(k - merged_at >= bound or k == total))
+                    got = self._sync(k, must=(k - merged_at >= bound or k == total), total=total)
                     if got is not None:
                         a = got
-                        k = max(k, a.local_step)
+                        k = total if a.catch_up else max(k, a.local_step)
                         merged_at = k
         except JobOver as e:
-            self._finish(False, str(e))
-            return
+            self._end_without_final(total, str(e))
         except GeneratorExit:
             self._call(self.agent.goodbye(False, "loop body raised or exited early"))
             raise
         self._finish(True, "finished")
 
-    def _sync(self, k: int, must: bool) -> Assignment | None:
-        """One merge at local step ``k``. Returns the assignment on commit; None if skipped."""
+    def _sync(self, k: int, must: bool, total: int) -> Assignment | None:
+        """One merge at local step ``k``. Returns the assignment on commit (or on a catch-up to the
+        finished job's final state); None if skipped."""
         assert self.agent.welcome is not None
         timeout_s = None if must else self.agent.welcome.sync_timeout_s
         t0 = time.monotonic()
@@ -365,8 +378,10 @@ class Job:
                 self._spans.event("merge_skipped", step=k, reason="not connected to the coordinator")
                 return None
             try:
-                a = self._call(self.agent.wait_for_quorum(k, -1, timeout_s))
+                a = self._call(self.agent.wait_for_quorum(k, total, timeout_s))
                 self._prepare(a)
+                if a.catch_up:
+                    return a
             except PeerTimeout as e:
                 if must:
                     raise JobFailed(f"{self.worker_id}: {e}") from e
@@ -435,18 +450,21 @@ class Job:
                 p.grad = None
         self._spans.event("rolled_back", step=st.number, quorum_id=st.quorum_id, reason=st.failed)
 
-    def save_final(self, name: str = "final") -> Path | None:
-        """Write this worker's final parameters (raw safetensors) for comparison with a reference.
+    def save_final(self, name: str = "") -> Path:
+        """Write the final model's parameters (raw safetensors) to ``RUN/<name>.safetensors``
+        (default ``final_<worker id>``) and return the path.
 
-        Writes nothing and returns None when this worker did not end holding the final state (the
-        job finished while it was behind; see ``job.ended_reason``).
+        Raises FinalStateUnavailable when this worker does not hold the job's final state (its
+        ``job.steps()`` did not run to its end), so a stale model is never saved as the final one.
         """
         from phalanx.checkpoint.durable import write_tensors_file
 
-        assert self.model is not None
+        if self.model is None:
+            raise ConfigError("call job.track(model=...) before job.save_final()")
         if not self.completed:
-            return None
-        path = self.run_dir / f"{name}.safetensors"
+            raise FinalStateUnavailable(self.worker_id, self.agent.last_committed_step, -1,
+                                        self.ended_reason or "job.steps() has not run to its end")
+        path = self.run_dir / f"{name or 'final_' + self.worker_id}.safetensors"
         write_tensors_file(path, {k: v.detach() for k, v in self.model.state_dict().items()})
         return path
 

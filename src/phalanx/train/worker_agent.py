@@ -57,6 +57,7 @@ class Assignment:
     write_checkpoint: bool
     shard_weights: tuple[float, ...] = ()  # available mode: uneven shares by speed (() = even)
     local_step: int = -1  # local-sgd: the step every member continues from after this merge
+    catch_up: bool = False  # the job is over: restore or heal to the final state, then stop
 
     @property
     def world_size(self) -> int:
@@ -110,6 +111,7 @@ class WorkerAgent:
     # ---- connection ----
     async def start(self) -> None:
         listener = await self.host.transport.listen(self.cfg.heal_bind, self._serve_heal)
+        self._listener = listener
         self.heal_address = listener.address
         await self.reconnect()  # with backoff: the coordinator may be restarting as this worker starts
         self.host.spawn(self._heartbeats(), "heartbeat")
@@ -190,7 +192,7 @@ class WorkerAgent:
         if isinstance(m, QuorumAssigned):
             a = Assignment(m.step, m.quorum_id, tuple(m.members), m.rank, m.heal_from, m.heal_address,
                            tuple(m.heal_targets), m.restore_checkpoint, m.write_checkpoint,
-                           tuple(m.shard_weights), m.local_step)
+                           tuple(m.shard_weights), m.local_step, m.catch_up)
             assert a.quorum_id >= self.max_quorum_id_seen, "quorum ids never go back"
             self.max_quorum_id_seen = a.quorum_id
             if self._assignment is not None and not self._assignment.done():
@@ -333,6 +335,37 @@ class WorkerAgent:
             await self._send(Goodbye(completed=completed, reason=reason, final_step=self.last_committed_step))
         except CoordinatorLost:
             pass
+
+    async def drain(self) -> None:
+        """After a completed Goodbye: stay reachable for ``drain_s`` so a late peer (a frozen worker
+        that woke after the last step) can heal the final state from us. Ends early when the
+        coordinator says no worker needs it any more, or when the coordinator is gone."""
+        window_s = self.welcome.drain_s if self.welcome else 0.0
+        deadline = self.host.now() + window_s
+        try:
+            while not self.shutdown_reason and self.connected:
+                left_s = deadline - self.host.now()
+                if left_s <= 0:
+                    return
+                self._assignment = asyncio.get_running_loop().create_future()
+                try:
+                    a = await asyncio.wait_for(self._assignment, left_s)
+                except (asyncio.TimeoutError, JobOver, CoordinatorLost):
+                    return
+                if a.heal_targets:
+                    await self.serve_heals(a)
+        finally:
+            self.leave("drained")
+
+    def leave(self, reason: str) -> None:
+        """This worker is done with the job: stop heartbeating, close the coordinator connection
+        (the coordinator stops counting on it) and the heal listener."""
+        self.shutdown_reason = self.shutdown_reason or reason
+        if self._conn is not None:
+            self._conn.close()
+        listener = getattr(self, "_listener", None)
+        if listener is not None:
+            listener.close()
 
     # ---- healing: fetching ----
     async def heal(self, a: Assignment) -> HealedState:

@@ -50,7 +50,7 @@ def main() -> None:
         step.allreduce_gradients(model, loss=loss)                # phalanx line 5
         optimizer.step()
         optimizer.zero_grad()
-    job.save_final(f"final_{job.worker_id}")  # only if this worker ended holding the final state
+    job.save_final()  # RUN/final_<worker>.safetensors: the final model (steps() raised if it is not)
     (job.run_dir / "workers" / f"{job.worker_id}.counters.json").write_text(json.dumps(vars(job.counters)))
     job.close()
 
