@@ -1,7 +1,7 @@
 """phalanx: a cluster of processes that trains one PyTorch model like one reliable machine.
 
-The user-facing API lives in :mod:`phalanx.train.api`; ``phalanx.join()`` is the entry point
-inside a script started by ``phalanx launch``.
+The user-facing API lives in :mod:`phalanx.train.api`; ``phalanx.join()`` (runtime/worker_join.py)
+is the entry point inside a script started by ``phalanx launch``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def join(**overrides: Any) -> "Job":
     """Join the cluster this process was started into by ``phalanx launch``."""
-    from phalanx.train.api import join as _join
+    from phalanx.runtime.worker_join import join as _join
 
     return _join(**overrides)
 

@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--gradient-bytes", type=float, default=0,
                    help="charge all-reduces for a model of this many gradient bytes, e.g. 14e9 for 7B "
                         "params in fp16 (sizes only; the arithmetic stays on the small model)")
-    r.add_argument("--mode", default="strict", choices=["strict", "available"],
+    r.add_argument("--mode", default="strict", choices=["strict", "available", "local-sgd"],
                    help="consistency mode of the simulated run (default strict)")
     r.set_defaults(fn=_run)
     sw = ssub.add_parser("sweep", help="random fault schedules over many seeds, invariants checked")

@@ -1,43 +1,85 @@
-"""A simulated worker: the production WorkerAgent driven by an async step loop.
+"""A simulated worker: the production WorkerAgent and StepEngine with a small virtual-time body.
 
-The loop mirrors the real facade (train/api.py): ask for a quorum, restore/heal/serve, compute,
-all-reduce gradients plus the coverage vector and loss, then commit or roll back. Compute takes
-virtual time from the cluster's compute model; the arithmetic is real (numpy regression).
+The life of a step (acquire, restore/heal/serve, vote, commit or roll back, checkpoints, the end
+of the job, local-sgd merges) is the engine's (train/step_engine.py), exactly as on real workers.
+What is simulated is only the body: compute takes virtual time from the observer's compute model,
+and the arithmetic is real (a numpy linear regression), so parameters are real and checkable.
+The worker sees the cluster through a frozen environment and an observer, never the Cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
 
-from phalanx.core.errors import (
-    CollectiveError, CoordinatorLost, HealError, JobOver, PeerTimeout, QuorumBroken, StaleEpoch, StateCorrupt,
-    TransportError,
-)
+from phalanx.core.errors import CheckpointError, PhalanxError, TransportError
 from phalanx.sim.host import SimHost
-from phalanx.sim.workload import params_digest
+from phalanx.sim.network import SimNetwork
+from phalanx.sim.process_group import SimProcessGroupFactory
+from phalanx.sim.workload import RegressionData, SimModelConfig, params_digest
 from phalanx.train import sharding
-from phalanx.train.worker_agent import Assignment, WorkerAgent, WorkerConfig
+from phalanx.train.step_buffer import GradientLayout, expected_coverage
+from phalanx.train.step_engine import BodyResult, StepEngine, Ticket
+from phalanx.train.worker_agent import Assignment, HealedState, WorkerAgent, WorkerConfig
 
-if TYPE_CHECKING:
-    from phalanx.sim.cluster import Cluster
 
-MAX_ATTEMPTS = 200
+class SimCheckpoints:
+    """Durable storage of a simulated run: survives every crash; paths are ``sim://checkpoint/S``."""
+
+    def __init__(self) -> None:
+        self._by_path: dict[str, tuple[int, np.ndarray]] = {}
+
+    def write(self, step: int, w: np.ndarray) -> str:
+        path = f"sim://checkpoint/{step}"
+        self._by_path[path] = (step, w.copy())
+        return path
+
+    def read(self, path: str) -> tuple[int, np.ndarray]:
+        if path not in self._by_path:
+            raise CheckpointError(f"{path}: no such simulated checkpoint")
+        step, w = self._by_path[path]
+        return step, w.copy()
+
+
+@dataclass(frozen=True)
+class SimWorkerEnv:
+    """What a simulated worker may use of its cluster."""
+
+    net: SimNetwork
+    pgf: SimProcessGroupFactory
+    data: RegressionData
+    model_cfg: SimModelConfig
+    coordinator_address: str
+    seed: int
+    steps: int
+    max_virtual_s: float
+    checkpoints: SimCheckpoints = field(default_factory=SimCheckpoints)
+
+
+class SimObserver(Protocol):
+    """The cluster's side: compute model, trace, invariant checks."""
+
+    def compute_s(self, w: "SimWorker", samples: int) -> float: ...
+
+    def span(self, worker: str, name: str, start_s: float, **fields: Any) -> None: ...
+
+    def on_worker_commit(self, w: "SimWorker", step: int, quorum_id: int, digest: str) -> None: ...
 
 
 class SimWorker:
-    def __init__(self, cluster: "Cluster", index: int) -> None:
-        self.cluster, self.index = cluster, index
+    def __init__(self, env: SimWorkerEnv, observer: SimObserver, index: int) -> None:
+        self.env, self.observer, self.index = env, observer, index
         self.worker_id = f"w{index}"
-        self.node = cluster.net.add_node(self.worker_id)
-        self.w = cluster.data.initial_params()
+        self.node = env.net.add_node(self.worker_id)
+        self.w = env.data.initial_params()
         self.agent: WorkerAgent | None = None
+        self.engine: StepEngine | None = None
         self.task: asyncio.Task[Any] | None = None
-        self.completed = False
         self.ended = ""
         self.hang_s = 0.0
         self.straggle_factor = 1.0
@@ -46,121 +88,107 @@ class SimWorker:
 
     # ---- lifecycle ----
     def start(self) -> None:
-        c = self.cluster
-        c.net.revive(self.node)
-        self.w = c.data.initial_params()  # a fresh process has only its initial state
-        host = SimHost(c.net, self.node, c.seed)
-        cfg = WorkerConfig(worker_id=self.worker_id, coordinator_address=c.coordinator_address, heal_bind="heal",
-                           connect_timeout_s=5.0, quorum_timeout_s=c.max_virtual_s, decision_timeout_s=30.0,
+        env = self.env
+        env.net.revive(self.node)
+        self.w = env.data.initial_params()  # a fresh process has only its initial state
+        host = SimHost(env.net, self.node, env.seed)
+        cfg = WorkerConfig(worker_id=self.worker_id, coordinator_address=env.coordinator_address, heal_bind="heal",
+                           connect_timeout_s=5.0, quorum_timeout_s=env.max_virtual_s, decision_timeout_s=30.0,
                            heal_timeout_s=10.0, reconnect_timeout_s=30.0, pid=10_000 + self.index)
-        self.agent = WorkerAgent(host, cfg, lambda _addr: c.pgf.for_node(self.node), self._state)
-        self.task = c.net.spawn(self.node, self._run(host), "loop")
+        self.agent = WorkerAgent(host, cfg, lambda _addr: env.pgf.for_node(self.node), self._capture)
+        self.engine = StepEngine(self.agent, self, self, self)
+        self.task = env.net.spawn(self.node, self._run(), "loop")
 
     def crash(self) -> None:
-        self.cluster.net.crash(self.node)
+        self.env.net.crash(self.node)
         self.agent = None
+
+    @property
+    def completed(self) -> bool:
+        return self.engine is not None and self.engine.completed
 
     @property
     def finished(self) -> bool:
         return self.task is not None and self.task.done() and self.node.alive
 
-    def _state(self) -> tuple[bytes, list[memoryview]]:
-        assert self.agent is not None
-        return msgspec.json.encode({"step": self.agent.last_committed_step}), [memoryview(self.w.tobytes())]
-
-    # ---- the step loop ----
-    async def _run(self, host: SimHost) -> None:
-        agent = self.agent
-        assert agent is not None
+    async def _run(self) -> None:
+        assert self.agent is not None and self.engine is not None
         try:
-            await agent.start()
+            await self.agent.start()
         except (TransportError, asyncio.TimeoutError, OSError) as e:
             self.ended = f"could not reach the coordinator: {e}"
             return
-        total = self.cluster.steps
-        step = agent.last_committed_step + 1
-        for _ in range(total * MAX_ATTEMPTS):
-            if step >= total:
-                break
-            try:
-                a = await agent.wait_for_quorum(step, total)
-                await self._prepare(agent, a)
-            except JobOver as e:
-                self.ended = str(e)
-                await agent.goodbye(False, str(e))
-                return
-            except CoordinatorLost:
-                try:
-                    await agent.reconnect()
-                except CoordinatorLost as e:
-                    self.ended = str(e)
-                    return
-                continue
-            except (HealError, StaleEpoch, StateCorrupt, QuorumBroken, TransportError) as e:
-                self.cluster.span(self.worker_id, "prepare_failed", host.now(), step=step, error=str(e))
-                continue
-            except PeerTimeout as e:
-                self.ended = str(e)
-                return
-            step = a.step
-            if step >= total:
-                break
-            if await self._attempt(host, agent, a):
-                step += 1
-        self.completed = step >= total
-        self.ended = "finished" if self.completed else "gave up"
-        await agent.goodbye(self.completed, self.ended)
-        if self.completed:
-            await agent.drain()  # stay to heal a late peer, like a real worker
+        try:
+            await self.engine.run(self.env.steps)
+            self.ended = self.engine.ended_reason
+        except PhalanxError as e:  # FinalStateUnavailable, JobFailed: the job is over for this worker
+            self.ended = str(e)
 
-    async def _prepare(self, agent: WorkerAgent, a: Assignment) -> None:
-        t0 = agent.host.now()
-        if a.heal_from:
-            healed = await agent.heal(a)
-            self.w = np.frombuffer(bytes(healed.buffers[0]), dtype=np.float64).copy()
-            await agent.heal_done(a, healed.checksum)
-            self.cluster.span(self.worker_id, "heal", t0, step=a.step, source=a.heal_from)
-        if a.heal_targets:
-            t1 = agent.host.now()
-            await agent.serve_heals(a)
-            self.cluster.span(self.worker_id, "heal_serve", t1, step=a.step)
+    # ---- StepObserver ----
+    def span(self, name: str, start_s: float, **fields: Any) -> None:
+        self.observer.span(self.worker_id, name, start_s, **fields)
 
-    async def _attempt(self, host: SimHost, agent: WorkerAgent, a: Assignment) -> bool:
-        c = self.cluster
-        cfg = c.model_cfg
+    def event(self, name: str, **fields: Any) -> None:
+        assert self.agent is not None
+        self.observer.span(self.worker_id, name, self.agent.host.now(), **fields)
+
+    # ---- StepBody ----
+    async def run(self, ticket: Ticket) -> BodyResult:
+        assert self.agent is not None and self.engine is not None
+        host, a, cfg = self.agent.host, ticket.assignment, self.env.model_cfg
         gbs = cfg.global_batch_size
         offset, count = a.shard_bounds(gbs)  # even, or by measured speed in available mode
-        gb = sharding.global_batch(a.step, cfg.dataset_size, gbs, cfg.seed)
-        idx = gb[offset : offset + count]
+        idx = sharding.global_batch(ticket.step, cfg.dataset_size, gbs, cfg.seed)[offset : offset + count]
         t0 = host.now()
-        await host.sleep(c.compute_s(self, count))
+        await host.sleep(self.observer.compute_s(self, count))
         if self.hang_s > 0:  # hung inside the step, heartbeats still flowing
             hang, self.hang_s = self.hang_s, 0.0
             await host.sleep(hang)
-        grad, loss = c.data.shard_gradient(self.w, idx)
-        coverage = np.zeros(gbs)
-        coverage[offset : offset + count] = idx + 1.0
-        flat = np.concatenate([grad, coverage, [loss]])
-        expected = gb + 1.0
-        compute_s = host.now() - t0
-        c.span(self.worker_id, "compute", t0, step=a.step, quorum_id=a.quorum_id)
-
-        def verify(t: np.ndarray) -> tuple[bool, float]:
-            return bool(np.array_equal(t[cfg.features : cfg.features + gbs], expected)), float(t[-1])
-
+        grad, loss = self.env.data.shard_gradient(self.w, idx)  # sums over the shard / gbs
+        share = count / gbs
+        if ticket.local:  # local-sgd: a step on the shard's mean gradient, no vote
+            self.w = self.w - cfg.lr * grad / share
+            self.span("compute", t0, step=ticket.step, samples=count)
+            return BodyResult(True, count, loss / share)
+        layout = GradientLayout(cfg.features, gbs)
+        buf = np.empty(layout.size)
+        buf[: cfg.features] = grad
+        layout.fill_tail(buf, offset, idx, loss / share, share)
+        expected = expected_coverage(a.step, cfg.dataset_size, gbs, cfg.seed, np.float64)
+        self.span("compute", t0, step=a.step, quorum_id=a.quorum_id)
         t1 = host.now()
-        try:
-            decision = await agent.allreduce(a, flat, verify, compute_s)
-        except (CoordinatorLost, PeerTimeout, CollectiveError):
-            c.span(self.worker_id, "allreduce", t1, step=a.step, quorum_id=a.quorum_id, commit=False)
-            return False
-        c.span(self.worker_id, "allreduce", t1, step=a.step, quorum_id=a.quorum_id, commit=decision.commit)
-        if not decision.commit:
-            return False  # rolled back: parameters were not touched
-        self.w = self.w - cfg.lr * flat[: cfg.features]
-        agent.committed(a.step)
-        c.on_worker_commit(self, a.step, a.quorum_id, params_digest(self.w))
-        return True
+        vote = await self.engine.vote(a, buf, lambda b: layout.verify(b, expected), host.now() - t0)
+        self.span("allreduce", t1, step=a.step, quorum_id=a.quorum_id, commit=vote.commit)
+        if not vote.commit:
+            return BodyResult(False, count, None, vote.reason)  # rolled back: parameters untouched
+        self.w = self.w - cfg.lr * buf[: cfg.features]
+        self.observer.on_worker_commit(self, a.step, a.quorum_id, params_digest(self.w))
+        return BodyResult(True, count, vote.loss)
+
+    # ---- TrainingState ----
+    def _capture(self) -> tuple[bytes, list[memoryview]]:
+        assert self.agent is not None
+        return msgspec.json.encode({"step": self.agent.last_committed_step}), [memoryview(self.w.tobytes())]
+
+    async def restore_checkpoint(self, path: str) -> int:
+        step, self.w = self.env.checkpoints.read(path)
+        return step
+
+    async def load_healed(self, healed: HealedState) -> None:
+        self.w = np.frombuffer(bytes(healed.buffers[0]), dtype=np.float64).copy()
+
+    async def write_checkpoint(self, step: int, a: Assignment) -> str:
+        return self.env.checkpoints.write(step, self.w)
+
+    async def merge_buffer(self, weight: float, loss: float) -> tuple[Any, np.ndarray]:
+        buf = np.concatenate([self.w * weight, [weight, loss * weight]])
+        return buf, buf
+
+    async def apply_merge(self, buffer: Any) -> None:
+        self.w = buffer[: len(self.w)] / buffer[-2]
+        assert self.agent is not None and self.engine is not None and self.engine.last is not None
+        a = self.engine.last
+        self.observer.on_worker_commit(self, a.step, a.quorum_id, params_digest(self.w))
 
 
 def digest_lines(lines: list[str]) -> str:

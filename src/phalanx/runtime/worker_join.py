@@ -1,0 +1,52 @@
+"""``phalanx.join()``: the worker side of ``phalanx launch``. Builds the real seams (TCP transport,
+RealHost, Gloo/NCCL process groups, network-fault wrappers) around the WorkerAgent, starts its
+control thread, and returns the user's ``Job``. It lives here, not in train/, so the training
+protocol never imports a concrete transport."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+from phalanx.collectives.process_group import TorchProcessGroupFactory
+from phalanx.core.auth import read_token_file
+from phalanx.core.errors import ConfigError
+from phalanx.train.api import Job
+from phalanx.train.network_faults import NetworkFaults
+from phalanx.train.worker_agent import WorkerAgent, WorkerConfig
+from phalanx.transport.real_host import RealHost
+from phalanx.transport.tcp import TcpTransport
+
+
+def join(**overrides: Any) -> Job:
+    """Join the cluster this process was started into by ``phalanx launch`` (reads PHALANX_* env)."""
+    env = {**os.environ, **{k.upper(): str(v) for k, v in overrides.items()}}
+    try:
+        coordinator = env["PHALANX_COORDINATOR"]
+        token = read_token_file(env["PHALANX_TOKEN_FILE"])
+        worker_id = env["PHALANX_WORKER_ID"]
+    except KeyError as e:
+        raise ConfigError(f"{e.args[0]} is not set: start this script with `phalanx launch -- python SCRIPT`") from e
+    run_dir = Path(env.get("PHALANX_RUN_DIR", "runs/latest"))
+    data_seed = int(env.get("PHALANX_DATA_SEED", "0"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="phalanx-control", daemon=True)
+    thread.start()
+    transport = TcpTransport(token, name=worker_id)
+    host = RealHost(worker_id, transport)
+    # network faults act at the seams: host.transport becomes a FaultyTransport, groups are wrapped
+    net = NetworkFaults.install(host, coordinator, random.Random(f"net:{data_seed}:{worker_id}"))
+    cfg = WorkerConfig(worker_id=worker_id, coordinator_address=coordinator,
+                       heal_bind=env.get("PHALANX_HEAL_BIND", "127.0.0.1:0"))
+    agent = WorkerAgent(host, cfg, lambda addr: net.wrap(TorchProcessGroupFactory(addr, token)))
+    job = Job(agent, loop, run_dir, data_seed, worker_id)
+    net.log = job._spans.event
+    agent._on_fault = net.route(job.faults.on_fault)  # called on the control thread
+    job.faults.install()
+    asyncio.run_coroutine_threadsafe(agent.start(), loop).result(
+        timeout=cfg.reconnect_timeout_s + 2 * cfg.connect_timeout_s)
+    return job

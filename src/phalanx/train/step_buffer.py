@@ -1,0 +1,74 @@
+"""The one layout of what a step all-reduces, shared by real runs and the simulator.
+
+A step's buffer is ``[gradients * n_i/N | coverage | loss * n_i/N]``: summed over the quorum it
+holds the global-batch mean gradient, the coverage vector (global-batch position -> sample index
++ 1, each member filling only its own slice, so the sum equals the batch exactly when every sample
+was used once) and the global-batch mean loss. A local-sgd merge's buffer is
+``[params * w_i | w_i | loss * w_i]``: the weighted average of parameters. Both are numpy views
+here (a torch tensor's ``.numpy()`` shares its memory), so one implementation serves both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from phalanx.train import sharding
+
+
+@dataclass(frozen=True)
+class GradientLayout:
+    """Offsets of one step's buffer: ``n_grad`` gradient values, a ``global_batch_size`` coverage
+    vector, and one loss value."""
+
+    n_grad: int
+    global_batch_size: int
+
+    @property
+    def size(self) -> int:
+        return self.n_grad + self.global_batch_size + 1
+
+    def fill_tail(self, buf: np.ndarray, offset: int, indices: np.ndarray, loss: float, share: float) -> None:
+        """Write this member's coverage slice and its share of the loss (gradients are the caller's)."""
+        cov = buf[self.n_grad : self.n_grad + self.global_batch_size]
+        cov[:] = 0
+        cov[offset : offset + len(indices)] = np.asarray(indices, dtype=buf.dtype) + 1
+        buf[-1] = loss * share
+
+    def verify(self, buf: np.ndarray, expected: np.ndarray | None) -> tuple[bool, float]:
+        """After the sum: (global batch covered exactly once, global mean loss)."""
+        cov = buf[self.n_grad : self.n_grad + self.global_batch_size]
+        ok = expected is not None and bool(np.array_equal(cov, expected))
+        return ok, float(buf[-1])
+
+
+def expected_coverage(step: int, dataset_size: int, global_batch_size: int, data_seed: int,
+                      dtype: type = np.float32) -> np.ndarray:
+    """What the summed coverage vector must equal: the step's global batch, each index + 1."""
+    return np.asarray(sharding.global_batch(step, dataset_size, global_batch_size, data_seed), dtype=dtype) + 1
+
+
+@dataclass(frozen=True)
+class MergeLayout:
+    """A local-sgd merge: ``n_params`` weighted parameters, the weight, the weighted loss."""
+
+    n_params: int
+
+    @property
+    def size(self) -> int:
+        return self.n_params + 2
+
+    @staticmethod
+    def fill_tail(buf: np.ndarray, weight: float, loss: float) -> None:
+        buf[-2] = weight
+        buf[-1] = loss * weight
+
+    @staticmethod
+    def verify(buf: np.ndarray) -> tuple[bool, float]:
+        """No global batch to cover in a merge; the loss is the weighted mean."""
+        return False, float(buf[-1] / buf[-2])
+
+    @staticmethod
+    def total_weight(buf: np.ndarray) -> float:
+        return float(buf[-2])
