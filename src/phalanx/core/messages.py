@@ -95,6 +95,12 @@ class CheckpointWritten(_Msg):
     path: str
 
 
+class CheckpointUnusable(_Msg):
+    """A worker could not restore the checkpoint it was told to: the coordinator stops offering it."""
+    path: str
+    reason: str
+
+
 class Goodbye(_Msg):
     completed: bool
     reason: str
@@ -197,7 +203,8 @@ class HealAck(_Msg):
 
 Message = Union[
     ClientHello, ServerHello, Refused,
-    Hello, Heartbeat, QuorumRequest, QuorumCancel, Progress, AllreduceDone, HealDone, CheckpointWritten, Goodbye,
+    Hello, Heartbeat, QuorumRequest, QuorumCancel, Progress, AllreduceDone, HealDone, CheckpointWritten,
+    CheckpointUnusable, Goodbye,
     Welcome, QuorumAssigned, QuorumBroken, StepDecision, InjectFault, Shutdown,
     HealRequest, HealOffer, HealChunk, HealAck,
 ]

@@ -1,13 +1,16 @@
 """The coordinator: membership, failure detection, per-step quorum and commit decisions.
 
 Asyncio code behind the Host seam; the same class runs embedded in ``phalanx launch``, standalone
-in ``phalanx coordinator`` and, on simulated transport and clock, in the simulator. Decisions are
-made by the pure functions of :mod:`quorum` and :mod:`failure_detector`; this module does the I/O.
+in ``phalanx coordinator`` and, on simulated transport and clock, in the simulator. It is a driver:
+decisions are the pure functions of :mod:`quorum`, :mod:`failure_detector` and :mod:`policy`;
+sessions and their counts live in :mod:`sessions`; this module does the I/O and validates what
+workers claim (an authenticated but buggy or older worker is refused, never trusted).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -15,14 +18,21 @@ from typing import Any
 from phalanx.core.errors import TransportError
 from phalanx.core.host import Connection, Host
 from phalanx.core.messages import (
-    AllreduceDone, CheckpointWritten, Goodbye, HealDone, Heartbeat, Hello, InjectFault, Progress, QuorumAssigned,
-    QuorumBroken, QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
+    AllreduceDone, CheckpointUnusable, CheckpointWritten, Goodbye, HealDone, Heartbeat, Hello, InjectFault, Progress,
+    QuorumAssigned, QuorumBroken, QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
 )
 from phalanx.core.modes import ConsistencyMode, ModeConfig
 from phalanx.membership import failure_detector as fd
+from phalanx.membership import policy
 from phalanx.membership.quorum import (
-    Action, MemberView, QuorumConfig, QuorumView, Report, Verdict, decide_commit, decide_quorum,
+    Action, MemberView, QuorumConfig, QuorumDecision, QuorumView, Report, Verdict, decide_commit, decide_quorum,
 )
+from phalanx.membership.sessions import Sessions, SuspicionCause, WorkerSession
+
+__all__ = ["Coordinator", "CoordinatorConfig", "CommitRecord", "WorkerSession", "apply_mode"]
+
+ID_LIMIT = 2**62  # quorum ids and steps stay far below the codec's 64-bit integers
+EVENTS_KEPT = 10_000  # in memory; the launcher streams every event to events.jsonl
 
 
 @dataclass(frozen=True)
@@ -32,12 +42,14 @@ class CoordinatorConfig:
     collective_timeout_s: float = 5.0
     checkpoint_every_steps: int = 0
     tick_s: float = 0.02
-    run_dir: str = ""
+    run_dir: str = ""  # "" = no durable storage: the last step is not checkpointed
     run_id: str = "run"
     modes: ModeConfig = ModeConfig()
     # how long a worker that finished holding the final state stays to heal a late peer (a frozen
-    # worker that wakes after the last step); released at once when no worker can still need it
+    # worker that wakes after the last step); released at once when every worker said Goodbye
     drain_s: float = 5.0
+    sessions_max: int = 4096  # distinct worker ids; a Hello beyond it is refused
+    session_keep_s: float = 60.0  # a departed, finished session is forgotten this long after it left
 
 
 def apply_mode(cfg: CoordinatorConfig) -> CoordinatorConfig:
@@ -55,37 +67,6 @@ def apply_mode(cfg: CoordinatorConfig) -> CoordinatorConfig:
     if m.mode is ConsistencyMode.LOCAL_SGD:
         return replace(cfg, quorum=replace(cfg.quorum, merge_stale=True))
     return cfg
-
-
-@dataclass
-class WorkerSession:
-    worker_id: str
-    incarnation: str
-    conn: Connection
-    pid: int
-    heal_address: str
-    joined_at_s: float
-    last_heartbeat_s: float
-    last_committed_step: int
-    has_state: bool
-    connected: bool = True
-    suspected: str = ""  # non-empty: why it is out of the quorum
-    waiting: bool = False
-    waiting_since_s: float = 0.0
-    # its quorum request was still unanswered when it was suspected: a worker that comes back (its
-    # heartbeats resume after a partition or freeze) is still waiting on that request
-    asked_when_suspected: bool = False
-    phase: tuple[fd.Phase, float] = (fd.Phase.REQUESTED, 0.0)
-    done: bool = False
-    # said Goodbye holding the final state and still connected: a heal source for late workers
-    holds_final: bool = False
-    released: bool = False  # told it may leave (no worker can still need its final state)
-    requested_step: int = -1  # the step number the worker asked a quorum for (local-sgd: its local step)
-    outbox: asyncio.Queue[Any] = field(default_factory=lambda: asyncio.Queue(maxsize=1024))
-
-    @property
-    def healthy(self) -> bool:
-        return self.connected and not self.suspected and not self.done
 
 
 @dataclass
@@ -119,7 +100,7 @@ class Coordinator:
                  resume: tuple[str, int] | None = None) -> None:
         self.host, self.cfg, self.store_address = host, apply_mode(cfg), store_address
         self._on_event = on_event
-        self.sessions: dict[str, WorkerSession] = {}
+        self.sessions = Sessions()
         self.quorum: CurrentQuorum | None = None
         self.cluster_step = resume[1] if resume else -1
         self.checkpoint: tuple[str, int] = resume if resume else ("", -1)
@@ -129,15 +110,11 @@ class Coordinator:
         self.stall_reason = ""
         self.total_steps = -1  # the loop's length as workers report it (-1: unknown)
         self.completed_workers = 0  # workers that said Goodbye holding the final state
-        # Counts refreshed every tick and kept roughly current in between, so a message triggers a
-        # full O(workers) evaluation only when it can complete a decision (thousands of simulated
-        # workers would otherwise cost O(workers^2) per step).
-        self._healthy_n = 0
-        self._waiting_n = 0
+        self.formed_any = False  # this incarnation formed a quorum: it knows every step and id since
         self._form_blocked = False  # a message-triggered formation found nothing to form this tick
-        self.events: list[dict[str, Any]] = []
-        # available mode: each worker's measured speed (share of the global batch per compute second)
-        self._speed: dict[str, float] = {}
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
+        self.refused: dict[str, int] = {}  # messages refused, by kind (events for the first few)
+        self._speed: dict[str, float] = {}  # available mode: share of the batch per compute second
         self._t0 = host.now()
         self._last_commit_s = host.now()
         self._floor_commit: tuple[int, frozenset[str]] | None = None  # see raise_floor
@@ -154,7 +131,7 @@ class Coordinator:
 
     async def stop(self, reason: str = "job finished") -> None:
         self._stopped = True
-        for s in self._sorted_sessions():
+        for s in self.sessions.values():
             if s.connected:
                 try:
                     await s.conn.send(Shutdown(reason=reason))
@@ -169,7 +146,7 @@ class Coordinator:
         connection fail and reconnect to whatever listens on the address next."""
         self._stopped = True
         self._listener.close()
-        sessions, self.sessions, self.quorum = self._sorted_sessions(), {}, None
+        sessions, self.sessions, self.quorum = self.sessions.values(), Sessions(), None
         for s in sessions:  # emptied first: the readers' exit paths find no session to suspect or report
             s.connected = False
             s.conn.close()  # the default reason: a crash is not a refused connection
@@ -183,8 +160,12 @@ class Coordinator:
         if self._on_event:
             self._on_event(record)
 
-    def _sorted_sessions(self) -> list[WorkerSession]:
-        return [self.sessions[k] for k in sorted(self.sessions)]
+    def _refuse_message(self, s: WorkerSession, kind: str, why: str) -> None:
+        """An authenticated worker sent something that cannot be true: ignore it, keep running,
+        and say so (the first few of each kind as events, then only the count)."""
+        n = self.refused[kind] = self.refused.get(kind, 0) + 1
+        if n <= 5 or n % 1000 == 0:
+            self.emit("message_refused", worker=s.worker_id, kind=kind, reason=why, count=n)
 
     # ---- connections ----
     async def _serve(self, conn: Connection) -> None:
@@ -195,17 +176,14 @@ class Coordinator:
         if not isinstance(first, Hello):
             await _refuse(conn, f"expected Hello, got {type(first).__name__}")
             return
+        why = self._hello_refusal(first)
+        if why:
+            self.emit("worker_refused", worker=first.worker_id, reason=why)
+            await _refuse(conn, why)
+            return
         session = self._admit(first, conn)
         self.host.spawn(self._sender(session), f"send-{session.worker_id}")
-        await conn.send(Welcome(run_id=self.cfg.run_id, store_address=self.store_address,
-                                heartbeat_interval_s=self.cfg.detector.heartbeat_interval_s,
-                                collective_timeout_s=self.cfg.collective_timeout_s,
-                                checkpoint_every_steps=self.cfg.checkpoint_every_steps,
-                                run_dir=self.cfg.run_dir, mode=self.cfg.modes.mode.value,
-                                deadline_s=self.cfg.modes.deadline_s,
-                                sync_every_steps=self.cfg.modes.sync_every_steps,
-                                max_staleness_steps=self.cfg.modes.max_staleness_steps,
-                                sync_timeout_s=self.cfg.modes.sync_timeout_s, drain_s=self.cfg.drain_s))
+        await _send_quiet(conn, self._welcome())
         try:
             while not conn.is_closed:
                 message, _ = await conn.recv()
@@ -216,9 +194,26 @@ class Coordinator:
                 self.emit("connection_lost", worker=session.worker_id, reason=reason)
         finally:
             if session is self.sessions.get(session.worker_id):
-                session.connected = False
-                if not session.done:
-                    self._suspect(session, "connection lost")  # decides the current step if it must
+                self.sessions.disconnect(session, self.host.now())
+                if not session.done:  # decides the current step if it must
+                    self._suspect(session, SuspicionCause.CONNECTION_LOST, "connection lost")
+
+    def _welcome(self) -> Welcome:
+        m = self.cfg.modes
+        return Welcome(run_id=self.cfg.run_id, store_address=self.store_address,
+                       heartbeat_interval_s=self.cfg.detector.heartbeat_interval_s,
+                       collective_timeout_s=self.cfg.collective_timeout_s,
+                       checkpoint_every_steps=self.cfg.checkpoint_every_steps, run_dir=self.cfg.run_dir,
+                       mode=m.mode.value, deadline_s=m.deadline_s, sync_every_steps=m.sync_every_steps,
+                       max_staleness_steps=m.max_staleness_steps, sync_timeout_s=m.sync_timeout_s,
+                       drain_s=self.cfg.drain_s)
+
+    def _hello_refusal(self, hello: Hello) -> str:
+        if hello.worker_id not in self.sessions and len(self.sessions) >= self.cfg.sessions_max:
+            return f"the coordinator already tracks {self.cfg.sessions_max} workers (sessions_max)"
+        step = hello.last_committed_step if hello.has_state else -1
+        return policy.hello_refusal(step, hello.max_quorum_id_seen, self.formed_any, self.cluster_step,
+                                    self.max_id_seen, ID_LIMIT)
 
     def raise_floor(self, quorum_id: int, step: int, members: tuple[str, ...] = ()) -> None:
         """A restarted incarnation starts above what its predecessors durably recorded before it
@@ -242,13 +237,12 @@ class Coordinator:
         if self._floor_commit is None:
             return ()
         step, members = self._floor_commit
-        missing = tuple(sorted(m for m in members if m not in self.sessions))
-        if not missing:
-            self._floor_commit = None  # every member said Hello (one holding the step raised it)
-            return ()
-        if now - self._t0 > self.cfg.quorum.rejoin_wait_s:
-            self._floor_commit = None
-            self.emit("rejoin_wait_expired", step=step, missing=list(missing))
+        missing, expired = policy.awaiting_holders(now - self._t0, self.cfg.quorum.rejoin_wait_s, members,
+                                                   self.sessions)
+        if not missing or expired:
+            self._floor_commit = None  # every member said Hello (one holding the step raised it), or too late
+            if expired:
+                self.emit("rejoin_wait_expired", step=step, missing=list(missing))
             return ()
         return missing
 
@@ -258,100 +252,132 @@ class Coordinator:
         if old is not None and old.connected:
             old.conn.close("replaced by a new incarnation")
             if old.healthy:
-                self._suspect(old, "replaced by a new incarnation")
+                self._suspect(old, SuspicionCause.REPLACED, "replaced by a new incarnation")
         self.max_id_seen = max(self.max_id_seen, hello.max_quorum_id_seen)
         if hello.has_state:
             self.cluster_step = max(self.cluster_step, hello.last_committed_step)
         session = WorkerSession(hello.worker_id, hello.incarnation, conn, hello.pid, hello.heal_address,
                                 now, now, hello.last_committed_step, hello.has_state)
-        self.sessions[hello.worker_id] = session
-        self._healthy_n += 1
+        self.sessions.admit(session)
         self.emit("worker_joined", worker=hello.worker_id, pid=hello.pid, incarnation=hello.incarnation,
                   last_committed_step=hello.last_committed_step)
         return session
 
+    # ---- messages: one short method each ----
     def _handle(self, s: WorkerSession, m: Any) -> None:
+        handler = self._HANDLERS.get(type(m))
+        if handler is None:
+            self._refuse_message(s, type(m).__name__, "not a message a worker sends")
+            return
+        if handler(self, s, m):
+            self._evaluate()
+
+    def _on_heartbeat(self, s: WorkerSession, m: Heartbeat) -> bool:
+        s.last_heartbeat_s = self.host.now()
+        if s.cause is SuspicionCause.NO_HEARTBEAT:
+            self.emit("worker_alive_again", worker=s.worker_id, was=s.suspected)
+            # Found by the simulator: it asked, was suspected before any answer, and kept waiting
+            # for one; without this it sat outside every quorum until the job ended.
+            self.sessions.clear_suspicion(s, self.host.now())
+        return False
+
+    def _on_quorum_request(self, s: WorkerSession, m: QuorumRequest) -> bool:
         now = self.host.now()
-        if isinstance(m, Heartbeat):
-            s.last_heartbeat_s = now
-            if s.suspected.startswith("no heartbeat"):
-                self.emit("worker_alive_again", worker=s.worker_id, was=s.suspected)
-                s.suspected = ""
-                if s.asked_when_suspected and not s.waiting:
-                    # Found by the simulator: it asked, was suspected before any answer, and kept
-                    # waiting for one; without this it sat outside every quorum until the job ended.
-                    s.waiting, s.waiting_since_s = True, now
-                    self._waiting_n += 1
-                s.asked_when_suspected = False
-            return
-        if isinstance(m, QuorumRequest):
-            if s.suspected.startswith("no step progress"):
-                self.emit("worker_alive_again", worker=s.worker_id, was=s.suspected)
-                s.suspected = ""
-            if not s.waiting:
-                self._waiting_n += 1
-            s.waiting, s.waiting_since_s = True, now
-            s.last_committed_step, s.has_state = m.last_committed_step, m.has_state
-            s.requested_step = m.step
-            self.total_steps = max(self.total_steps, m.total_steps)
-            s.phase = (fd.Phase.REQUESTED, now)
-            if self._waiting_n < self._healthy_n:
-                return  # others are still to ask: the ticker or the last request decides (O(1) here)
-        elif isinstance(m, QuorumCancel):
-            s.asked_when_suspected = False
-            if s.waiting:
-                s.waiting = False
-                self._waiting_n -= 1
-            return
-        elif isinstance(m, Progress):
-            q = self.quorum
-            if q and m.quorum_id == q.quorum_id and s.worker_id in q.member_set:
-                s.phase = (fd.Phase.ALLREDUCE, now)
-            return
-        elif isinstance(m, AllreduceDone):
-            self._on_report(s, m)
-            q = self.quorum
-            if q is not None and m.ok and not q.decided and len(q.reports) < len(q.members):
-                return  # a commit needs every live member; losses are handled where they are noticed
-        elif isinstance(m, HealDone):
-            s.has_state, s.last_committed_step = True, m.step - 1
-            self.emit("worker_healed", worker=s.worker_id, source=m.source, step=m.step, quorum_id=m.quorum_id)
-            return  # matters for the next formation only: the ticker takes it from here
-        elif isinstance(m, CheckpointWritten):
-            self.note_checkpoint(m.path, m.step)
-            self.emit("checkpoint_written", worker=s.worker_id, step=m.step, path=m.path)
-            return  # may unblock a stalled formation: the ticker re-evaluates within tick_s
-        elif isinstance(m, Goodbye):
-            s.done = True
-            self.completed_workers += int(m.completed)
-            if m.completed:
-                s.holds_final, s.has_state, s.last_committed_step = True, True, m.final_step
-            if s.waiting:
-                s.waiting = False
-                self._waiting_n -= 1
-            self.emit("worker_finished", worker=s.worker_id, completed=m.completed, reason=m.reason)
-            if all(x.done for x in self.sessions.values()):
-                self.all_done.set()
-            self._release_drainers()
-            q = self.quorum
-            if q is None or q.decided or s.worker_id not in q.member_set:
-                return
-        self._evaluate()
+        if s.done:
+            self._refuse_message(s, "QuorumRequest", "the worker already said Goodbye")
+            return False
+        if s.cause is SuspicionCause.NO_PROGRESS:
+            self.emit("worker_alive_again", worker=s.worker_id, was=s.suspected)
+            self.sessions.clear_suspicion(s, now)
+        if s.has_state and m.last_committed_step > self.cluster_step and self.formed_any:
+            self._refuse_message(s, "QuorumRequest", f"claims step {m.last_committed_step} beyond the cluster's "
+                                                     f"{self.cluster_step}")
+            return False
+        self.sessions.set_waiting(s, True, now)
+        s.last_committed_step, s.has_state = m.last_committed_step, m.has_state
+        s.requested_step = m.step
+        self.total_steps = max(self.total_steps, min(m.total_steps, ID_LIMIT))
+        s.phase = (fd.Phase.REQUESTED, now)
+        if not self.sessions.everyone_asking():
+            return False  # others are still to ask: the ticker or the last request decides (O(1) here)
+        self._form_blocked = False  # the request that completes the askers always tries to form
+        return True
+
+    def _on_quorum_cancel(self, s: WorkerSession, m: QuorumCancel) -> bool:
+        s.asked_when_suspected = False
+        self.sessions.set_waiting(s, False)
+        return False
+
+    def _on_progress(self, s: WorkerSession, m: Progress) -> bool:
+        q = self.quorum
+        if q and m.quorum_id == q.quorum_id and s.worker_id in q.member_set:
+            s.phase = (fd.Phase.ALLREDUCE, self.host.now())
+        return False
+
+    def _on_allreduce_done(self, s: WorkerSession, m: AllreduceDone) -> bool:
+        self._on_report(s, m)
+        q = self.quorum
+        # a commit needs every live member; losses are handled where they are noticed
+        return not (q is not None and m.ok and not q.decided and len(q.reports) < len(q.members))
+
+    def _on_heal_done(self, s: WorkerSession, m: HealDone) -> bool:
+        if m.quorum_id > self.max_id_seen or not 0 <= m.step <= self.cluster_step + 1:
+            self._refuse_message(s, "HealDone", f"healed to step {m.step} in quorum {m.quorum_id}, which this "
+                                                "coordinator never formed")
+            return False
+        s.has_state, s.last_committed_step = True, m.step - 1
+        self.emit("worker_healed", worker=s.worker_id, source=m.source, step=m.step, quorum_id=m.quorum_id)
+        return False  # matters for the next formation only: the ticker takes it from here
+
+    def _on_checkpoint_written(self, s: WorkerSession, m: CheckpointWritten) -> bool:
+        if not 0 <= m.step <= self.cluster_step or not m.path:
+            self._refuse_message(s, "CheckpointWritten", f"step {m.step} is not a committed step "
+                                                         f"(the cluster is at {self.cluster_step})")
+            return False
+        self.note_checkpoint(m.path, m.step)
+        self.emit("checkpoint_written", worker=s.worker_id, step=m.step, path=m.path)
+        return False  # may unblock a stalled formation: the ticker re-evaluates within tick_s
+
+    def _on_checkpoint_unusable(self, s: WorkerSession, m: CheckpointUnusable) -> bool:
+        if m.path == self.checkpoint[0]:
+            self.emit("checkpoint_unusable", worker=s.worker_id, path=m.path, reason=m.reason)
+            self.checkpoint = ("", -1)  # not offered again: the formation stalls with a clear reason
+        return False
+
+    def _on_goodbye(self, s: WorkerSession, m: Goodbye) -> bool:
+        if s.done:
+            return False
+        self.sessions.finish(s)
+        self.completed_workers += int(m.completed)
+        if m.completed and s.has_state:
+            s.holds_final, s.last_committed_step = True, min(m.final_step, self.cluster_step)
+        self.emit("worker_finished", worker=s.worker_id, completed=m.completed, reason=m.reason)
+        if all(x.done for x in self.sessions.values()):
+            self.all_done.set()
+        self._release_drainers()
+        q = self.quorum
+        return not (q is None or q.decided or s.worker_id not in q.member_set)
+
+    _HANDLERS: dict[type, Callable[["Coordinator", WorkerSession, Any], bool]] = {
+        Heartbeat: _on_heartbeat, QuorumRequest: _on_quorum_request, QuorumCancel: _on_quorum_cancel,
+        Progress: _on_progress, AllreduceDone: _on_allreduce_done, HealDone: _on_heal_done,
+        CheckpointWritten: _on_checkpoint_written, CheckpointUnusable: _on_checkpoint_unusable,
+        Goodbye: _on_goodbye,
+    }
 
     def _on_report(self, s: WorkerSession, m: AllreduceDone) -> None:
         q = self.quorum
         if q is None or m.quorum_id != q.quorum_id or m.step != q.step or q.decided or s.worker_id not in q.member_set:
             # Fencing: an outcome from an older epoch never counts; tell the sender to roll back.
             self._send(s, StepDecision(step=m.step, quorum_id=m.quorum_id, commit=False,
-                                                             reason="stale quorum id: step fenced"))
+                                       reason="stale quorum id: step fenced"))
             return
         q.reports[s.worker_id] = Report(m.ok, m.samples_covered_once, m.error)
         q.losses[s.worker_id] = m.loss
-        share = q.weights.get(s.worker_id, 0.0)
-        if m.ok and share > 0 and m.compute_s > 0:
-            speed = share / m.compute_s
-            old = self._speed.get(s.worker_id)
-            self._speed[s.worker_id] = speed if old is None else 0.5 * old + 0.5 * speed
+        speed = policy.updated_speed(self._speed.get(s.worker_id), q.weights.get(s.worker_id, 0.0) if m.ok else 0.0,
+                                     m.compute_s)
+        if speed is not None:
+            self._speed[s.worker_id] = speed
         s.phase = (fd.Phase.REPORTED, self.host.now())
 
     def _send(self, s: WorkerSession, message: Any) -> None:
@@ -371,15 +397,15 @@ class Coordinator:
     async def _ticker(self) -> None:
         while not self._stopped:
             await self.host.sleep(self.cfg.tick_s)
-            healthy_n = waiting_n = 0
-            for s in self.sessions.values():
-                if s.healthy:
-                    healthy_n += 1
-                    waiting_n += s.waiting
-            self._healthy_n, self._waiting_n = healthy_n, waiting_n
+            if self._stopped:
+                return
+            self.sessions.check_counts()
             self._form_blocked = False
             self._evaluate(from_tick=True)
             self._release_drainers()
+            q = self.quorum
+            self.sessions.prune(self.host.now(), self.cfg.session_keep_s,
+                                q.member_set if q is not None and not q.decided else frozenset())
 
     def _evaluate(self, from_tick: bool = False) -> None:
         """Decide the current step's commit and the next quorum.
@@ -387,7 +413,8 @@ class Coordinator:
         Time-based detection runs on the ticker only. A message may trigger a formation attempt
         (the fast path when the last worker asks), but once one came back without forming, further
         messages wait for the next tick: thousands of workers asking while a formation waits on a
-        timeout would otherwise cost O(workers) each, O(workers^2) per step.
+        timeout would otherwise cost O(workers) each, O(workers^2) per step. The request that
+        completes the set of askers clears the block (``_on_quorum_request``).
         """
         if self._stopped:
             return
@@ -396,58 +423,45 @@ class Coordinator:
             self._detect(now)
         q = self.quorum
         if q is not None and not q.decided:
-            live = [w for w in q.members if self.sessions[w].healthy]
-            verdict, why = decide_commit(q.members, live, q.reports, self._needs_coverage)
-            if verdict is Verdict.COMMIT:
-                self._commit(q, now, why)
-            elif verdict is Verdict.ABORT:
-                self._abort(q, why)
+            self._decide(q, now)
         if (self.quorum is None or self.quorum.decided) and (from_tick or not self._form_blocked):
             before = self.quorum
             self._maybe_form(now)
             # Block only an attempt that had askers and still waited (a timeout, the job-start
-            # window). One that found nobody asking (the commit that just ended a step) must not:
-            # the last worker's request would then wait up to tick_s for the ticker, every step.
-            if self.quorum is before and self._waiting_n > 0:
+            # window). One that found nobody asking (the commit that just ended a step) must not.
+            if self.quorum is before and self.sessions.waiting_n > 0:
                 self._form_blocked = True
+
+    def _decide(self, q: CurrentQuorum, now: float) -> None:
+        live = [w for w in q.members if self.sessions[w].healthy]
+        verdict, why = decide_commit(q.members, live, q.reports, self._needs_coverage)
+        if verdict is Verdict.COMMIT:
+            self._commit(q, now, why)
+        elif verdict is Verdict.ABORT:
+            self._abort(q, why)
 
     @property
     def _needs_coverage(self) -> bool:
         return self.cfg.modes.mode is not ConsistencyMode.LOCAL_SGD
 
-    def _shard_weights(self, members: tuple[str, ...]) -> list[float]:
-        """Available mode: shares proportional to measured speed (unmeasured members get the mean)."""
-        if self.cfg.modes.mode is not ConsistencyMode.AVAILABLE:
-            return []
-        known = [self._speed[w] for w in members if w in self._speed]
-        if not known:
-            return [1.0 / len(members)] * len(members)
-        mean = sum(known) / len(known)
-        raw = [self._speed.get(w, mean) for w in members]
-        total = sum(raw)
-        return [r / total for r in raw]
-
     def _detect(self, now: float) -> None:
         # Only sessions that could be suspects go to the pure decision (cheap pre-filter at scale).
         stale_before = now - self.cfg.detector.heartbeat_timeout_s
-        alive = {w: fd.Liveness(s.connected, s.last_heartbeat_s) for w, s in self.sessions.items()
+        alive = {s.worker_id: fd.Liveness(s.connected, s.last_heartbeat_s) for s in self.sessions.unordered()
                  if s.healthy and (s.last_heartbeat_s < stale_before or not s.connected)}
         for sus in fd.heartbeat_suspects(now, alive, self.cfg.detector):
-            self._suspect(self.sessions[sus.worker_id], sus.reason)
+            cause = SuspicionCause.CONNECTION_LOST if not alive[sus.worker_id].connected else SuspicionCause.NO_HEARTBEAT
+            self._suspect(self.sessions[sus.worker_id], cause, sus.reason)
         q = self.quorum
         if q is not None and not q.decided:
             phases = {w: self.sessions[w].phase for w in q.members if self.sessions[w].healthy}
             for sus in fd.progress_suspects(now, phases, self.cfg.detector):
-                self._suspect(self.sessions[sus.worker_id], sus.reason)
+                self._suspect(self.sessions[sus.worker_id], SuspicionCause.NO_PROGRESS, sus.reason)
 
-    def _suspect(self, s: WorkerSession, reason: str) -> None:
-        if s.suspected or s.done or self._stopped:
+    def _suspect(self, s: WorkerSession, cause: SuspicionCause, reason: str) -> None:
+        if self._stopped or not self.sessions.suspect(s, cause, reason):
             return
-        if s.waiting:
-            self._waiting_n -= 1
-        s.asked_when_suspected = s.waiting
-        s.suspected, s.waiting = reason, False
-        self.emit("worker_suspected", worker=s.worker_id, reason=reason)
+        self.emit("worker_suspected", worker=s.worker_id, reason=reason, cause=cause.name.lower())
         q = self.quorum
         if q is not None and s.worker_id in q.member_set:
             q.intact = False
@@ -475,8 +489,7 @@ class Coordinator:
         for w in sorted(q.reports):
             s = self.sessions[w]
             s.last_committed_step, s.has_state = q.step, True
-            self._send(s, StepDecision(step=q.step, quorum_id=q.quorum_id, commit=True,
-                                                             reason=why, loss=loss))
+            self._send(s, StepDecision(step=q.step, quorum_id=q.quorum_id, commit=True, reason=why, loss=loss))
 
     def _abort(self, q: CurrentQuorum, why: str) -> None:
         q.decided, q.intact = True, False
@@ -485,15 +498,18 @@ class Coordinator:
             s = self.sessions[w]
             if s.connected:
                 self._send(s, QuorumBroken(quorum_id=q.quorum_id, reason=why))
-                self._send(s, StepDecision(step=q.step, quorum_id=q.quorum_id, commit=False,
-                                                                 reason=why))
+                self._send(s, StepDecision(step=q.step, quorum_id=q.quorum_id, commit=False, reason=why))
         self.emit("step_aborted", step=q.step, quorum_id=q.quorum_id, reason=why)
+
+    # ---- forming the next quorum ----
+    def _job_finished(self) -> bool:
+        return policy.job_finished(self.cfg.modes.mode, self.total_steps, self.cluster_step, self.completed_workers)
 
     def _maybe_form(self, now: float) -> None:
         finished = self._job_finished()
-        if finished and not any(s.healthy and s.waiting for s in self.sessions.values()):
+        if finished and self.sessions.waiting_n == 0:
             return  # after the last step only a late worker asking to catch up needs a quorum
-        views = [self._member_view(s, finished) for s in self._sorted_sessions()]
+        views = [self._member_view(s, finished) for s in self.sessions.values()]
         q = self.quorum
         view = QuorumView(self.cluster_step, q.quorum_id if q else 0, q.members if q else (),
                           bool(q and q.intact), self.checkpoint[1], self.checkpoint[0], self.max_id_seen,
@@ -504,38 +520,41 @@ class Coordinator:
         d = decide_quorum(now, views, view, qcfg)
         if d.action is Action.STALL and finished:
             self._release_late_workers(d.reason)
-            return
-        if d.action is Action.STALL:
+        elif d.action is Action.STALL:
             if self.stall_reason != d.reason:
                 self.stall_reason = d.reason
                 self.emit("quorum_stalled", reason=d.reason)
                 self.stalled.set()
-            return
-        if d.action is not Action.FORM:
-            return
+        elif d.action is Action.FORM:
+            self._form(d, now, finished)
+
+    def _form(self, d: QuorumDecision, now: float, finished: bool) -> None:
+        q = self.quorum
         self.stall_reason = ""
         assert q is None or d.quorum_id >= q.quorum_id, "quorum ids never decrease"
-        weights = self._shard_weights(d.members)
+        weights = policy.shard_weights(self.cfg.modes.mode, d.members, self._speed)
         self.quorum = CurrentQuorum(d.quorum_id, d.step, d.members, now, member_set=frozenset(d.members),
                                     weights={w: weights[i] if weights else 1.0 / len(d.members)
                                              for i, w in enumerate(d.members)})
+        self.formed_any = True
         local_step = max(self.sessions[w].requested_step for w in d.members)
         self.max_id_seen = max(self.max_id_seen, d.quorum_id)
-        writer = "" if finished else self._checkpoint_writer(d, local_step)
-        self._waiting_n = max(0, self._waiting_n - sum(1 for w in d.members if not self.sessions[w].done))
+        writer = "" if finished else policy.checkpoint_writer(
+            policy.CheckpointPolicy(self.cfg.checkpoint_every_steps, bool(self.cfg.run_dir)), self.cfg.modes.mode,
+            self.total_steps, d.step, local_step, d.members, d.heal_from)
         heal_targets: dict[str, list[str]] = {}
         for t in sorted(d.heal_from):
             heal_targets.setdefault(d.heal_from[t], []).append(t)
         for rank, w in enumerate(d.members):
             s = self.sessions[w]
-            s.waiting, s.phase = False, (fd.Phase.ASSIGNED, now)
+            self.sessions.set_waiting(s, False)
+            s.phase = (fd.Phase.ASSIGNED, now)
             src = d.heal_from.get(w, "")
-            msg = QuorumAssigned(step=d.step, quorum_id=d.quorum_id, members=list(d.members), rank=rank,
-                                 heal_from=src, heal_address=self.sessions[src].heal_address if src else "",
-                                 heal_targets=heal_targets.get(w, []),
-                                 restore_checkpoint=d.restore_checkpoint, write_checkpoint=(w == writer),
-                                 shard_weights=weights, local_step=local_step, catch_up=finished)
-            self._send(s, msg)
+            self._send(s, QuorumAssigned(
+                step=d.step, quorum_id=d.quorum_id, members=list(d.members), rank=rank, heal_from=src,
+                heal_address=self.sessions[src].heal_address if src else "", heal_targets=heal_targets.get(w, []),
+                restore_checkpoint=d.restore_checkpoint, write_checkpoint=(w == writer), shard_weights=weights,
+                local_step=local_step, catch_up=finished))
         if not (q and q.quorum_id == d.quorum_id):
             self.emit("quorum_formed", quorum_id=d.quorum_id, step=d.step, members=list(d.members), reason=d.reason)
         if finished:
@@ -555,42 +574,26 @@ class Coordinator:
         """Workers that finished wait (up to ``drain_s``) to heal a late peer. Once every worker
         has said Goodbye, none can still need the final state: they may leave at once. (A worker
         that is behind, frozen, or killed and maybe restarting keeps them, for at most drain_s.)"""
-        drainers = [s for s in self._sorted_sessions() if s.holds_final and s.connected and not s.released]
-        if not drainers or not all(s.done for s in self.sessions.values()):
+        if self.completed_workers == 0:
+            return
+        sessions = self.sessions.values()
+        drainers = [s for s in sessions if s.holds_final and s.connected and not s.released]
+        if not drainers or not all(s.done for s in sessions):
             return
         for s in drainers:
             s.released = True
             self._send(s, Shutdown(reason="job finished: no worker needs the final state any more"))
 
-    def _job_finished(self) -> bool:
-        if self.cfg.modes.mode is ConsistencyMode.LOCAL_SGD:
-            return self.completed_workers > 0  # its steps are local: a worker that finished ends the job
-        return self.total_steps > 0 and self.cluster_step >= self.total_steps - 1
-
     def _release_late_workers(self, why: str) -> None:
         """The job's last step is committed, but these workers are behind and nothing can catch them
-        up (no checkpoint of the final step): they stop without the final state, and say so."""
-        for s in self._sorted_sessions():
+        up (no worker holding the final state is left, no checkpoint of it): they stop without the
+        final state, and say so."""
+        for s in self.sessions.values():
             if s.healthy and s.waiting:
-                s.waiting = False
-                self._waiting_n -= 1
+                self.sessions.set_waiting(s, False)
                 self._send(s, Shutdown(reason=f"the job finished at step {self.cluster_step} while this worker "
                                               f"was behind, and {why.split(';')[0]}"))
                 self.emit("late_worker_released", worker=s.worker_id, last_committed_step=s.last_committed_step)
-
-    def _checkpoint_writer(self, d: Any, local_step: int) -> str:
-        """Who writes a durable checkpoint after this step: every K steps, and always after the
-        job's last step when the run has a directory (a worker that wakes after every peer has
-        left restores the final state from it)."""
-        k = self.cfg.checkpoint_every_steps
-        if self.cfg.modes.mode is ConsistencyMode.LOCAL_SGD:
-            final = self.total_steps > 0 and local_step >= self.total_steps
-        else:
-            final = self.total_steps > 0 and d.step == self.total_steps - 1
-        periodic = k > 0 and (d.step + 1) % k == 0
-        if not (periodic or (final and (k > 0 or self.cfg.run_dir))):
-            return ""
-        return next((w for w in d.members if w not in d.heal_from), d.members[0])
 
     # ---- used by launchers and the simulator ----
     async def inject(self, worker_id: str, fault: InjectFault) -> bool:

@@ -217,7 +217,10 @@ class StepEngine:
             except (CheckpointError, OSError) as e:
                 if a.catch_up:  # the finished job's final checkpoint was all there was
                     raise JobOver(f"restoring the final checkpoint {a.restore_checkpoint} failed: {e}") from e
-                raise JobFailed(f"{self.agent.cfg.worker_id}: restoring {a.restore_checkpoint} failed: {e}") from e
+                # the coordinator stops offering it (it stalls with a clear reason), and we ask
+                # again: a bad checkpoint must not crash-loop every restarted worker
+                await self.agent.checkpoint_unusable(a.restore_checkpoint, str(e))
+                raise StateCorrupt(f"checkpoint {a.restore_checkpoint} is unusable: {e}") from e
             self.agent.last_committed_step, self.agent.has_state = ck_step, True
             self.obs.span("restore", t0, step=ck_step, path=a.restore_checkpoint)
         elif a.heal_from:

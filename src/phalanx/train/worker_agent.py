@@ -21,7 +21,7 @@ from phalanx.core.errors import (
 )
 from phalanx.core.host import Connection, Host
 from phalanx.core.messages import (
-    AllreduceDone, CheckpointWritten, Goodbye, HealAck, HealChunk, HealDone, HealOffer, HealRequest,
+    AllreduceDone, CheckpointUnusable, CheckpointWritten, Goodbye, HealAck, HealChunk, HealDone, HealOffer, HealRequest,
     Heartbeat, Hello, InjectFault, Progress, QuorumAssigned, QuorumBroken as QuorumBrokenMsg,
     QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
 )
@@ -124,7 +124,9 @@ class WorkerAgent:
         welcome, _ = await asyncio.wait_for(conn.recv(), self.cfg.connect_timeout_s)
         if isinstance(welcome, Refused):
             raise FrameRejected(f"coordinator refused this worker: {welcome.reason}")
-        assert isinstance(welcome, Welcome), f"expected Welcome, got {type(welcome).__name__}"
+        if not isinstance(welcome, Welcome):
+            conn.close("protocol violation")
+            raise FrameRejected(f"the coordinator answered Hello with {type(welcome).__name__}, not Welcome")
         self.welcome, self._conn = welcome, conn
         self._lost.clear()
         self.host.spawn(self._reader(conn), "reader")
@@ -193,7 +195,9 @@ class WorkerAgent:
             a = Assignment(m.step, m.quorum_id, tuple(m.members), m.rank, m.heal_from, m.heal_address,
                            tuple(m.heal_targets), m.restore_checkpoint, m.write_checkpoint,
                            tuple(m.shard_weights), m.local_step, m.catch_up)
-            assert a.quorum_id >= self.max_quorum_id_seen, "quorum ids never go back"
+            if a.quorum_id < self.max_quorum_id_seen:
+                self.host.log("stale_assignment_ignored", quorum_id=a.quorum_id, seen=self.max_quorum_id_seen)
+                return  # fencing: an older epoch's assignment is never acted on
             self.max_quorum_id_seen = a.quorum_id
             if self._assignment is not None and not self._assignment.done():
                 self._assignment.set_result(a)
@@ -330,6 +334,12 @@ class WorkerAgent:
         except CoordinatorLost:
             pass
 
+    async def checkpoint_unusable(self, path: str, reason: str) -> None:
+        try:
+            await self._send(CheckpointUnusable(path=path, reason=reason[:500]))
+        except CoordinatorLost:
+            pass
+
     async def goodbye(self, completed: bool, reason: str) -> None:
         try:
             await self._send(Goodbye(completed=completed, reason=reason, final_step=self.last_committed_step))
@@ -388,7 +398,8 @@ class WorkerAgent:
             digest = hashlib.sha256()
             for i in range(offer.chunk_count):
                 chunk_msg, bufs = await conn.recv()
-                assert isinstance(chunk_msg, HealChunk) and chunk_msg.index == i, "heal chunks arrive in order"
+                if not isinstance(chunk_msg, HealChunk) or chunk_msg.index != i:
+                    raise HealError(f"{a.heal_from} sent {type(chunk_msg).__name__} where heal chunk {i} belongs")
                 for b in bufs:
                     digest.update(b)
                     chunks.append(b)
