@@ -73,9 +73,57 @@ def test_nothing_is_unpickled_or_executed_from_data():
     assert not bad, bad
 
 
+# Protocol code: decisions and drivers that the simulator runs in virtual time.
+PROTOCOL = [*sorted((SRC / "membership").glob("*.py")),
+            *(SRC / "train" / f for f in ("worker_agent.py", "healing.py", "step_engine.py", "step_buffer.py",
+                                          "sharding.py")),
+            SRC / "sim" / "worker.py"]
+FORBIDDEN = {"time", "threading", "socket", "random", "subprocess", "os.path", "concurrent.futures", "queue",
+             "multiprocessing", "torch", "datetime"}
+
+
 def test_protocol_code_does_not_reach_for_the_wall_clock_or_threads():
-    """Coordinator and worker agent get time, randomness and I/O from the Host seam only."""
-    for rel in ("membership/coordinator.py", "membership/quorum.py", "membership/failure_detector.py",
-                "train/worker_agent.py"):
-        names = {n for n, _ in _imports(SRC / rel)}
-        assert not names & {"time", "threading", "socket", "random", "subprocess", "os.path"}, (rel, names)
+    """Coordinator, agent, engine and their decisions get time, randomness and I/O from the Host seam."""
+    bad = []
+    for path in PROTOCOL:
+        names = {n for n, _ in _imports(path)}
+        if names & FORBIDDEN:
+            bad.append((str(path.relative_to(SRC)), sorted(names & FORBIDDEN)))
+    assert not bad, bad
+
+
+# Functions longer than this need a reason, written here.
+FUNCTION_LINES_MAX = 70
+LONG_FUNCTIONS: dict[str, str] = {}
+
+
+def test_no_function_is_longer_than_the_limit_without_a_reason():
+    long = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                key = f"{path.relative_to(SRC)}:{node.name}"
+                if n > FUNCTION_LINES_MAX and key not in LONG_FUNCTIONS:
+                    long.append(f"{key} ({n} lines)")
+    assert not long, long
+
+
+# Modules over ~400 lines (STYLE: 150-400 as a rule) and why they are allowed to be.
+MODULE_LINES_MAX = 420
+LONG_MODULES = {
+    "sim/cluster.py": "the simulated cluster driver; its fault application and checkers are being moved out",
+    "transport/faulty.py": "every network impairment of the seam in one place (latency, loss, bandwidth, partition)",
+}
+
+
+def test_no_module_is_longer_than_the_limit_without_a_reason():
+    long = [f"{p.relative_to(SRC)} ({len(p.read_text().splitlines())} lines)" for p in SRC.rglob("*.py")
+            if len(p.read_text().splitlines()) > MODULE_LINES_MAX and str(p.relative_to(SRC)) not in LONG_MODULES]
+    assert not long, long
+
+
+def test_the_simulated_worker_does_not_import_the_cluster():
+    """The simulated worker sees a frozen environment and an observer (no import cycle)."""
+    names = {n for n, _ in _imports(SRC / "sim" / "worker.py")}
+    assert "phalanx.sim.cluster" not in names

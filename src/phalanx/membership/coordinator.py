@@ -12,89 +12,29 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from phalanx.core.errors import TransportError
-from phalanx.core.host import Connection, Host
+from phalanx.core.host import Host
 from phalanx.core.messages import (
-    AllreduceDone, CheckpointUnusable, CheckpointWritten, Goodbye, HealDone, Heartbeat, Hello, InjectFault, Progress,
-    QuorumAssigned, QuorumBroken, QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
+    InjectFault, QuorumAssigned, QuorumBroken, Shutdown, StepDecision,
 )
-from phalanx.core.modes import ConsistencyMode, ModeConfig
+from phalanx.core.modes import ConsistencyMode
 from phalanx.membership import failure_detector as fd
 from phalanx.membership import policy
+from phalanx.membership.coordinator_state import (
+    EVENTS_KEPT, CommitRecord, CoordinatorConfig, CurrentQuorum, apply_mode,
+)
 from phalanx.membership.quorum import (
-    Action, MemberView, QuorumConfig, QuorumDecision, QuorumView, Report, Verdict, decide_commit, decide_quorum,
+    Action, MemberView, QuorumDecision, QuorumView, Verdict, decide_commit, decide_quorum,
 )
 from phalanx.membership.sessions import Sessions, SuspicionCause, WorkerSession
+from phalanx.membership.worker_messages import WorkerMessages
 
 __all__ = ["Coordinator", "CoordinatorConfig", "CommitRecord", "WorkerSession", "apply_mode"]
 
-ID_LIMIT = 2**62  # quorum ids and steps stay far below the codec's 64-bit integers
-EVENTS_KEPT = 10_000  # in memory; the launcher streams every event to events.jsonl
-
-
-@dataclass(frozen=True)
-class CoordinatorConfig:
-    detector: fd.DetectorConfig = fd.DetectorConfig()
-    quorum: QuorumConfig = QuorumConfig()
-    collective_timeout_s: float = 5.0
-    checkpoint_every_steps: int = 0
-    tick_s: float = 0.02
-    run_dir: str = ""  # "" = no durable storage: the last step is not checkpointed
-    run_id: str = "run"
-    modes: ModeConfig = ModeConfig()
-    # how long a worker that finished holding the final state stays to heal a late peer (a frozen
-    # worker that wakes after the last step); released at once when every worker said Goodbye
-    drain_s: float = 5.0
-    sessions_max: int = 4096  # distinct worker ids; a Hello beyond it is refused
-    session_keep_s: float = 60.0  # a departed, finished session is forgotten this long after it left
-
-
-def apply_mode(cfg: CoordinatorConfig) -> CoordinatorConfig:
-    """The timeouts each consistency mode implies (core.modes explains the modes).
-
-    available: a formed step waits at most ``deadline_s`` for members not yet asking, and a member
-    that falls ``deadline_s`` behind the others inside a step is dropped from it (it rejoins at the
-    next step). local-sgd: members with any state merge in instead of being healed over.
-    """
-    m = cfg.modes
-    if m.mode is ConsistencyMode.AVAILABLE:
-        q = replace(cfg.quorum, join_timeout_s=min(cfg.quorum.join_timeout_s, m.deadline_s))
-        d = replace(cfg.detector, progress_timeout_s=min(cfg.detector.progress_timeout_s, max(m.deadline_s, 0.1)))
-        return replace(cfg, quorum=q, detector=d)
-    if m.mode is ConsistencyMode.LOCAL_SGD:
-        return replace(cfg, quorum=replace(cfg.quorum, merge_stale=True))
-    return cfg
-
-
-@dataclass
-class CurrentQuorum:
-    quorum_id: int
-    step: int
-    members: tuple[str, ...]
-    formed_at_s: float
-    intact: bool = True
-    decided: bool = False
-    reports: dict[str, Report] = field(default_factory=dict)
-    losses: dict[str, float] = field(default_factory=dict)
-    member_set: frozenset[str] = frozenset()  # for O(1) membership checks per message
-    weights: dict[str, float] = field(default_factory=dict)  # available mode: share of the batch per member
-
-
-@dataclass(frozen=True)
-class CommitRecord:
-    step: int
-    quorum_id: int
-    members: tuple[str, ...]
-    loss: float
-    committed_at_s: float
-    step_s: float
-    covered_once: bool
-
-
-class Coordinator:
+class Coordinator(WorkerMessages):
     def __init__(self, host: Host, cfg: CoordinatorConfig, store_address: str,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
                  resume: tuple[str, int] | None = None) -> None:
@@ -160,61 +100,6 @@ class Coordinator:
         if self._on_event:
             self._on_event(record)
 
-    def _refuse_message(self, s: WorkerSession, kind: str, why: str) -> None:
-        """An authenticated worker sent something that cannot be true: ignore it, keep running,
-        and say so (the first few of each kind as events, then only the count)."""
-        n = self.refused[kind] = self.refused.get(kind, 0) + 1
-        if n <= 5 or n % 1000 == 0:
-            self.emit("message_refused", worker=s.worker_id, kind=kind, reason=why, count=n)
-
-    # ---- connections ----
-    async def _serve(self, conn: Connection) -> None:
-        try:
-            first, _ = await conn.recv()
-        except TransportError:
-            return
-        if not isinstance(first, Hello):
-            await _refuse(conn, f"expected Hello, got {type(first).__name__}")
-            return
-        why = self._hello_refusal(first)
-        if why:
-            self.emit("worker_refused", worker=first.worker_id, reason=why)
-            await _refuse(conn, why)
-            return
-        session = self._admit(first, conn)
-        self.host.spawn(self._sender(session), f"send-{session.worker_id}")
-        await _send_quiet(conn, self._welcome())
-        try:
-            while not conn.is_closed:
-                message, _ = await conn.recv()
-                self._handle(session, message)
-        except TransportError as e:
-            if session is self.sessions.get(session.worker_id) and not session.done:
-                reason = getattr(conn, "close_reason", "") or str(e)
-                self.emit("connection_lost", worker=session.worker_id, reason=reason)
-        finally:
-            if session is self.sessions.get(session.worker_id):
-                self.sessions.disconnect(session, self.host.now())
-                if not session.done:  # decides the current step if it must
-                    self._suspect(session, SuspicionCause.CONNECTION_LOST, "connection lost")
-
-    def _welcome(self) -> Welcome:
-        m = self.cfg.modes
-        return Welcome(run_id=self.cfg.run_id, store_address=self.store_address,
-                       heartbeat_interval_s=self.cfg.detector.heartbeat_interval_s,
-                       collective_timeout_s=self.cfg.collective_timeout_s,
-                       checkpoint_every_steps=self.cfg.checkpoint_every_steps, run_dir=self.cfg.run_dir,
-                       mode=m.mode.value, deadline_s=m.deadline_s, sync_every_steps=m.sync_every_steps,
-                       max_staleness_steps=m.max_staleness_steps, sync_timeout_s=m.sync_timeout_s,
-                       drain_s=self.cfg.drain_s)
-
-    def _hello_refusal(self, hello: Hello) -> str:
-        if hello.worker_id not in self.sessions and len(self.sessions) >= self.cfg.sessions_max:
-            return f"the coordinator already tracks {self.cfg.sessions_max} workers (sessions_max)"
-        step = hello.last_committed_step if hello.has_state else -1
-        return policy.hello_refusal(step, hello.max_quorum_id_seen, self.formed_any, self.cluster_step,
-                                    self.max_id_seen, ID_LIMIT)
-
     def raise_floor(self, quorum_id: int, step: int, members: tuple[str, ...] = ()) -> None:
         """A restarted incarnation starts above what its predecessors durably recorded before it
         left their process: the highest quorum id, the highest step committed and its members.
@@ -245,140 +130,6 @@ class Coordinator:
                 self.emit("rejoin_wait_expired", step=step, missing=list(missing))
             return ()
         return missing
-
-    def _admit(self, hello: Hello, conn: Connection) -> WorkerSession:
-        now = self.host.now()
-        old = self.sessions.get(hello.worker_id)
-        if old is not None and old.connected:
-            old.conn.close("replaced by a new incarnation")
-            if old.healthy:
-                self._suspect(old, SuspicionCause.REPLACED, "replaced by a new incarnation")
-        self.max_id_seen = max(self.max_id_seen, hello.max_quorum_id_seen)
-        if hello.has_state:
-            self.cluster_step = max(self.cluster_step, hello.last_committed_step)
-        session = WorkerSession(hello.worker_id, hello.incarnation, conn, hello.pid, hello.heal_address,
-                                now, now, hello.last_committed_step, hello.has_state)
-        self.sessions.admit(session)
-        self.emit("worker_joined", worker=hello.worker_id, pid=hello.pid, incarnation=hello.incarnation,
-                  last_committed_step=hello.last_committed_step)
-        return session
-
-    # ---- messages: one short method each ----
-    def _handle(self, s: WorkerSession, m: Any) -> None:
-        handler = self._HANDLERS.get(type(m))
-        if handler is None:
-            self._refuse_message(s, type(m).__name__, "not a message a worker sends")
-            return
-        if handler(self, s, m):
-            self._evaluate()
-
-    def _on_heartbeat(self, s: WorkerSession, m: Heartbeat) -> bool:
-        s.last_heartbeat_s = self.host.now()
-        if s.cause is SuspicionCause.NO_HEARTBEAT:
-            self.emit("worker_alive_again", worker=s.worker_id, was=s.suspected)
-            # Found by the simulator: it asked, was suspected before any answer, and kept waiting
-            # for one; without this it sat outside every quorum until the job ended.
-            self.sessions.clear_suspicion(s, self.host.now())
-        return False
-
-    def _on_quorum_request(self, s: WorkerSession, m: QuorumRequest) -> bool:
-        now = self.host.now()
-        if s.done:
-            self._refuse_message(s, "QuorumRequest", "the worker already said Goodbye")
-            return False
-        if s.cause is SuspicionCause.NO_PROGRESS:
-            self.emit("worker_alive_again", worker=s.worker_id, was=s.suspected)
-            self.sessions.clear_suspicion(s, now)
-        if s.has_state and m.last_committed_step > self.cluster_step and self.formed_any:
-            self._refuse_message(s, "QuorumRequest", f"claims step {m.last_committed_step} beyond the cluster's "
-                                                     f"{self.cluster_step}")
-            return False
-        self.sessions.set_waiting(s, True, now)
-        s.last_committed_step, s.has_state = m.last_committed_step, m.has_state
-        s.requested_step = m.step
-        self.total_steps = max(self.total_steps, min(m.total_steps, ID_LIMIT))
-        s.phase = (fd.Phase.REQUESTED, now)
-        if not self.sessions.everyone_asking():
-            return False  # others are still to ask: the ticker or the last request decides (O(1) here)
-        self._form_blocked = False  # the request that completes the askers always tries to form
-        return True
-
-    def _on_quorum_cancel(self, s: WorkerSession, m: QuorumCancel) -> bool:
-        s.asked_when_suspected = False
-        self.sessions.set_waiting(s, False)
-        return False
-
-    def _on_progress(self, s: WorkerSession, m: Progress) -> bool:
-        q = self.quorum
-        if q and m.quorum_id == q.quorum_id and s.worker_id in q.member_set:
-            s.phase = (fd.Phase.ALLREDUCE, self.host.now())
-        return False
-
-    def _on_allreduce_done(self, s: WorkerSession, m: AllreduceDone) -> bool:
-        self._on_report(s, m)
-        q = self.quorum
-        # a commit needs every live member; losses are handled where they are noticed
-        return not (q is not None and m.ok and not q.decided and len(q.reports) < len(q.members))
-
-    def _on_heal_done(self, s: WorkerSession, m: HealDone) -> bool:
-        if m.quorum_id > self.max_id_seen or not 0 <= m.step <= self.cluster_step + 1:
-            self._refuse_message(s, "HealDone", f"healed to step {m.step} in quorum {m.quorum_id}, which this "
-                                                "coordinator never formed")
-            return False
-        s.has_state, s.last_committed_step = True, m.step - 1
-        self.emit("worker_healed", worker=s.worker_id, source=m.source, step=m.step, quorum_id=m.quorum_id)
-        return False  # matters for the next formation only: the ticker takes it from here
-
-    def _on_checkpoint_written(self, s: WorkerSession, m: CheckpointWritten) -> bool:
-        if not 0 <= m.step <= self.cluster_step or not m.path:
-            self._refuse_message(s, "CheckpointWritten", f"step {m.step} is not a committed step "
-                                                         f"(the cluster is at {self.cluster_step})")
-            return False
-        self.note_checkpoint(m.path, m.step)
-        self.emit("checkpoint_written", worker=s.worker_id, step=m.step, path=m.path)
-        return False  # may unblock a stalled formation: the ticker re-evaluates within tick_s
-
-    def _on_checkpoint_unusable(self, s: WorkerSession, m: CheckpointUnusable) -> bool:
-        if m.path == self.checkpoint[0]:
-            self.emit("checkpoint_unusable", worker=s.worker_id, path=m.path, reason=m.reason)
-            self.checkpoint = ("", -1)  # not offered again: the formation stalls with a clear reason
-        return False
-
-    def _on_goodbye(self, s: WorkerSession, m: Goodbye) -> bool:
-        if s.done:
-            return False
-        self.sessions.finish(s)
-        self.completed_workers += int(m.completed)
-        if m.completed and s.has_state:
-            s.holds_final, s.last_committed_step = True, min(m.final_step, self.cluster_step)
-        self.emit("worker_finished", worker=s.worker_id, completed=m.completed, reason=m.reason)
-        if all(x.done for x in self.sessions.values()):
-            self.all_done.set()
-        self._release_drainers()
-        q = self.quorum
-        return not (q is None or q.decided or s.worker_id not in q.member_set)
-
-    _HANDLERS: dict[type, Callable[["Coordinator", WorkerSession, Any], bool]] = {
-        Heartbeat: _on_heartbeat, QuorumRequest: _on_quorum_request, QuorumCancel: _on_quorum_cancel,
-        Progress: _on_progress, AllreduceDone: _on_allreduce_done, HealDone: _on_heal_done,
-        CheckpointWritten: _on_checkpoint_written, CheckpointUnusable: _on_checkpoint_unusable,
-        Goodbye: _on_goodbye,
-    }
-
-    def _on_report(self, s: WorkerSession, m: AllreduceDone) -> None:
-        q = self.quorum
-        if q is None or m.quorum_id != q.quorum_id or m.step != q.step or q.decided or s.worker_id not in q.member_set:
-            # Fencing: an outcome from an older epoch never counts; tell the sender to roll back.
-            self._send(s, StepDecision(step=m.step, quorum_id=m.quorum_id, commit=False,
-                                       reason="stale quorum id: step fenced"))
-            return
-        q.reports[s.worker_id] = Report(m.ok, m.samples_covered_once, m.error)
-        q.losses[s.worker_id] = m.loss
-        speed = policy.updated_speed(self._speed.get(s.worker_id), q.weights.get(s.worker_id, 0.0) if m.ok else 0.0,
-                                     m.compute_s)
-        if speed is not None:
-            self._speed[s.worker_id] = speed
-        s.phase = (fd.Phase.REPORTED, self.host.now())
 
     def _send(self, s: WorkerSession, message: Any) -> None:
         """Queue a message for one worker; one sender task per connection keeps them in order."""
@@ -606,15 +357,3 @@ class Coordinator:
     def note_checkpoint(self, path: str, step: int) -> None:
         if step > self.checkpoint[1]:
             self.checkpoint = (path, step)
-
-
-async def _send_quiet(conn: Connection, message: Any) -> None:
-    try:
-        await conn.send(message)
-    except TransportError:
-        pass  # the connection's loss is noticed by its reader
-
-
-async def _refuse(conn: Connection, reason: str) -> None:
-    await _send_quiet(conn, Refused(reason=reason))
-    conn.close(reason)

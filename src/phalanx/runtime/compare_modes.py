@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Any
 
 from phalanx.core.modes import ConsistencyMode

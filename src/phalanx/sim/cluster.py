@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from phalanx.core.errors import ConfigError, FaultPlanError
+from phalanx.core.errors import FaultPlanError
 from phalanx.faults.plan import EMPTY_PLAN, Fault, FaultKind, FaultPlan
 from phalanx.membership.coordinator import CommitRecord, Coordinator, CoordinatorConfig
 from phalanx.membership.failure_detector import DetectorConfig

@@ -8,7 +8,6 @@ API (:mod:`phalanx.train.api`) is a thin facade over it; the simulator drives it
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,15 +15,16 @@ from typing import Any
 
 from phalanx.collectives.process_group import ProcessGroup, ProcessGroupFactory
 from phalanx.core.errors import (
-    CollectiveError, CoordinatorLost, FrameRejected, HealError, JobOver, PeerTimeout, QuorumBroken, StaleEpoch,
-    TransportError,
+    CollectiveError, CoordinatorLost, FrameRejected, JobOver, PeerTimeout, QuorumBroken, TransportError,
 )
 from phalanx.core.host import Connection, Host
 from phalanx.core.messages import (
-    AllreduceDone, CheckpointUnusable, CheckpointWritten, Goodbye, HealAck, HealChunk, HealDone, HealOffer, HealRequest,
-    Heartbeat, Hello, InjectFault, Progress, QuorumAssigned, QuorumBroken as QuorumBrokenMsg,
+    AllreduceDone, CheckpointUnusable, CheckpointWritten, Goodbye, Heartbeat, Hello, InjectFault, Progress, QuorumAssigned, QuorumBroken as QuorumBrokenMsg,
     QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
 )
+from phalanx.train.healing import Healing, HealedState
+
+__all__ = ["Assignment", "HealedState", "StateProvider", "WorkerAgent", "WorkerConfig"]
 
 # (state header, buffers) of the live training state, captured on demand for a heal
 StateProvider = Callable[[], tuple[bytes, list[memoryview]]]
@@ -72,15 +72,7 @@ class Assignment:
         return sharding.shard_bounds(global_batch_size, self.rank, self.world_size)
 
 
-@dataclass(frozen=True)
-class HealedState:
-    header: bytes
-    buffers: list[memoryview]
-    checksum: str
-    source: str
-
-
-class WorkerAgent:
+class WorkerAgent(Healing):
     def __init__(self, host: Host, cfg: WorkerConfig, pg_factory: Callable[[str], ProcessGroupFactory],
                  state_provider: StateProvider | None = None,
                  on_fault: Callable[[InjectFault], None] | None = None) -> None:
@@ -376,120 +368,3 @@ class WorkerAgent:
         listener = getattr(self, "_listener", None)
         if listener is not None:
             listener.close()
-
-    # ---- healing: fetching ----
-    async def heal(self, a: Assignment) -> HealedState:
-        """Copy the live state from ``a.heal_from`` (fenced by the quorum id)."""
-        try:
-            return await asyncio.wait_for(self._race_broken(a, self._fetch(a)), self.cfg.heal_timeout_s)
-        except (TransportError, asyncio.TimeoutError) as e:
-            raise HealError(f"healing from {a.heal_from} failed: {e or 'timed out'}") from e
-
-    async def _fetch(self, a: Assignment) -> HealedState:
-        conn = await self.host.transport.connect(a.heal_address, self.cfg.connect_timeout_s)
-        try:
-            await conn.send(HealRequest(worker_id=self.cfg.worker_id, quorum_id=a.quorum_id, step=a.step))
-            offer, _ = await conn.recv()
-            if isinstance(offer, Refused):
-                raise StaleEpoch(f"{a.heal_from} refused to heal us: {offer.reason}")
-            if not isinstance(offer, HealOffer) or offer.quorum_id != a.quorum_id:
-                raise HealError(f"{a.heal_from} sent {type(offer).__name__} for the wrong epoch")
-            chunks: list[memoryview] = []
-            digest = hashlib.sha256()
-            for i in range(offer.chunk_count):
-                chunk_msg, bufs = await conn.recv()
-                if not isinstance(chunk_msg, HealChunk) or chunk_msg.index != i:
-                    raise HealError(f"{a.heal_from} sent {type(chunk_msg).__name__} where heal chunk {i} belongs")
-                for b in bufs:
-                    digest.update(b)
-                    chunks.append(b)
-            checksum = digest.hexdigest()
-            ok = checksum == offer.checksum
-            await conn.send(HealAck(quorum_id=a.quorum_id, checksum=checksum, ok=ok))
-            if not ok:
-                raise HealError(f"state from {a.heal_from} failed its checksum ({checksum[:12]} != {offer.checksum[:12]})")
-            from phalanx.checkpoint.state_codec import join_chunks
-            buffers = join_chunks(chunks, list(offer.buffer_sizes))
-            return HealedState(offer.state_header, buffers, checksum, a.heal_from)
-        finally:
-            conn.close()
-
-    async def heal_done(self, a: Assignment, checksum: str) -> None:
-        self.last_committed_step, self.has_state = a.step - 1, True
-        await self._send(HealDone(step=a.step, quorum_id=a.quorum_id, checksum=checksum, source=a.heal_from))
-
-    # ---- healing: serving ----
-    async def serve_heals(self, a: Assignment) -> None:
-        """Serve our committed state to a's heal targets; returns once each acked or was lost."""
-        self._serving = a
-        self._snapshot = None
-        loop = asyncio.get_running_loop()
-        for t in a.heal_targets:
-            self._heal_acks.setdefault(t, loop.create_future())
-        waits = [self._heal_acks[t] for t in a.heal_targets]
-        try:
-            await self._race_broken(a, asyncio.wait_for(asyncio.gather(*waits), self.cfg.heal_timeout_s))
-        except (asyncio.TimeoutError, QuorumBroken):
-            pass  # the coordinator notices a lost target and re-forms the quorum
-        finally:
-            for t in a.heal_targets:
-                self._heal_acks.pop(t, None)
-            self._serving, self._snapshot = None, None
-
-    async def _serve_heal(self, conn: Connection) -> None:
-        try:
-            req, _ = await conn.recv()
-            if not isinstance(req, HealRequest):
-                return
-            a = await self._wait_serving(req)
-            if a is None:
-                await conn.send(Refused(reason=f"not serving quorum {req.quorum_id} (stale epoch)"))
-                return
-            step_, header, buffers, checksum = self._capture(a)
-            chunk_bytes = self.cfg.heal_chunk_bytes
-            from phalanx.checkpoint.state_codec import chunk_buffers
-            chunks = chunk_buffers(buffers, chunk_bytes)
-            # group chunks into frames of at most chunk_bytes each
-            frames: list[list[memoryview]] = []
-            size = chunk_bytes + 1
-            for c in chunks:
-                if size + c.nbytes > chunk_bytes:
-                    frames.append([])
-                    size = 0
-                frames[-1].append(c)
-                size += c.nbytes
-            await conn.send(HealOffer(quorum_id=a.quorum_id, step=a.step, state_header=header,
-                                      buffer_sizes=[b.nbytes for b in buffers], chunk_count=len(frames),
-                                      checksum=checksum))
-            for i, frame in enumerate(frames):
-                await conn.send(HealChunk(index=i), frame)
-            ack, _ = await conn.recv()
-            ok = isinstance(ack, HealAck) and ack.ok and ack.checksum == checksum
-            fut = self._heal_acks.get(req.worker_id)
-            if fut is not None and not fut.done():
-                fut.set_result(ok)
-        except TransportError:
-            pass
-        finally:
-            conn.close()
-
-    async def _wait_serving(self, req: HealRequest) -> Assignment | None:
-        """The joiner may ask a moment before our own assignment arrives; wait briefly for it."""
-        for _ in range(200):
-            a = self._serving
-            if a is not None and a.quorum_id == req.quorum_id and req.worker_id in a.heal_targets:
-                return a
-            if a is not None and a.quorum_id > req.quorum_id:
-                return None
-            await self.host.sleep(0.01)
-        return None
-
-    def _capture(self, a: Assignment) -> tuple[int, bytes, list[memoryview], str]:
-        if self._snapshot is None or self._snapshot[0] != a.quorum_id:
-            assert self.state_provider is not None, "a heal source needs a state provider"
-            header, buffers = self.state_provider()
-            digest = hashlib.sha256()
-            for b in buffers:
-                digest.update(b)
-            self._snapshot = (a.quorum_id, header, buffers, digest.hexdigest())
-        return self._snapshot
