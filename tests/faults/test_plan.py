@@ -42,7 +42,7 @@ def test_the_second_fault_reports_its_own_line():
 
 def test_worker_out_of_range_and_unsupported_kinds_are_rejected():
     plan = parse_fault_plan('[[fault]]\nkind = "kill"\nworker = 7\nat_step = 1\n', "p.toml")
-    with pytest.raises(FaultPlanError, match="worker 7 does not exist in a run of 4 workers"):
+    with pytest.raises(FaultPlanError, match=r"worker 7 \(in .worker.\) does not exist in a run of 4 workers"):
         plan.validate_workers(4)
     net = parse_fault_plan('[[fault]]\nkind = "duplicate"\nprobability = 0.1\nat_s = 1\n', "n.toml")
     net.require_supported("sim")

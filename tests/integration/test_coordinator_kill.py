@@ -7,7 +7,7 @@ import json
 import pytest
 
 from phalanx.membership.coordinator import CommitRecord
-from phalanx.runtime.launcher_faults import merge_commits
+from phalanx.membership.commit_log import merge_commits
 from tests.integration.conftest import assert_strict, events, train
 
 PACE = {"min_step_s": 0.08}  # steps still running when the coordinator comes back (see test_faults_real_processes)

@@ -8,8 +8,9 @@ from phalanx.runtime.fault_injector import network_fault_messages
 
 
 def resolve(body: str, workers: int = 4):
-    f = parse_fault_plan("[[fault]]\n" + body + "at_step = 1\n", "p.toml").faults[0]
-    return network_fault_messages(f, workers, "p.toml")
+    plan = parse_fault_plan("[[fault]]\n" + body + "at_step = 1\n", "p.toml")
+    plan.validate_workers(workers)  # target indices against the run's size
+    return network_fault_messages(plan.faults[0], workers)
 
 
 @pytest.mark.parametrize("body, groups, targets", [
@@ -45,11 +46,14 @@ def test_a_pair_fault_reaches_only_the_two_ends_of_that_link():
 @pytest.mark.parametrize("body, problem", [
     ('kind = "partition"\nfor_s = 1\nisolate = 9\n', "worker 9"),
     ('kind = "partition"\nfor_s = 1\ngroups = [[0, 1], [1, 2]]\n', "in two groups"),
-    ('kind = "partition"\nfor_s = 1\ngroups = [0, 1]\n', "list of at least two lists"),
+    ('kind = "partition"\nfor_s = 1\ngroups = [0, 1]\n', "list of at least two non-empty lists"),
     ('kind = "latency"\nmean_ms = 5\ndistribution = "uniform"\n', "'distribution'"),
     ('kind = "loss"\nprobability = 0.1\npair = [1, 1]\n', "two different worker"),
 ])
 def test_bad_targets_are_rejected_with_the_plan_line(body, problem):
+    # at parse time (the shape, on the key's own line) or before the run (an index, on the fault's)
     with pytest.raises(FaultPlanError, match=problem) as ei:
         resolve(body)
-    assert ei.value.path == "p.toml" and ei.value.line == 1
+    key_line = 1 + next(i for i, line in enumerate(body.splitlines(), 1) if line.split(" =")[0] in
+                        ("isolate", "groups", "distribution", "pair"))
+    assert ei.value.path == "p.toml" and ei.value.line in (1, key_line)

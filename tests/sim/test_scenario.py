@@ -148,7 +148,8 @@ def test_a_commit_decision_that_dies_with_the_coordinator_is_redone_not_lost():
     # worker (latency 200 us), so no worker applies it, and the new coordinator must redo step 12.
     base = Scenario(workers=4, seed=3).run_until(step=30)
     decided = next(c["committed_at_s"] for c in base.commits if c["step"] == 12)
-    r = Scenario(workers=4, seed=3).kill_coordinator(at_s=decided + 50e-6).run_until(step=30)
+    first = base.commits[0]["committed_at_s"]  # at_s counts from the first commit (faults/timeline.py)
+    r = Scenario(workers=4, seed=3).kill_coordinator(at_s=decided - first + 50e-6).run_until(step=30)
     _held(r)
     assert [c["step"] for c in r.superseded] == [12]  # decided by the dead incarnation ...
     assert not [s for t, s in r.applied_by(0) if s == 12 and t < r.superseded[0]["committed_at_s"] + 0.5]

@@ -86,8 +86,14 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _token(args: argparse.Namespace) -> int:
-    from phalanx.core.auth import generate_token
+    from phalanx.core.auth import generate_token, write_token_file
 
+    if args.out:
+        write_token_file(args.out, generate_token())  # 0600, O_EXCL | O_NOFOLLOW
+        print(f"wrote a new cluster token to {args.out} (mode 600)")
+        return 0
+    print("phalanx token: printing to stdout; prefer `phalanx token --out FILE` (created mode 600, never "
+          "overwritten): a shell redirect creates a file others may read", file=sys.stderr)
     print(generate_token().decode())
     return 0
 
@@ -148,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--run-dir", default="runs/coordinator")
     c.set_defaults(fn=_coordinator)
 
-    tk = sub.add_parser("token", help="print a fresh cluster token (save it to a file readable only by you)")
+    tk = sub.add_parser("token", help="a fresh cluster token: --out FILE writes it mode 600 (never overwrites)")
+    tk.add_argument("--out", help="create this file (mode 600, O_EXCL|O_NOFOLLOW) instead of printing")
     tk.set_defaults(fn=_token)
     from phalanx.cli import extra, sim_cmd
 

@@ -186,3 +186,29 @@ def _settle(fut: asyncio.Future[Any], value: Any, error: BaseException | None) -
 def _short(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return text[:240]
+
+
+class RendezvousStore:
+    """The torch TCPStore the workers' process groups rendezvous through, listening on ``host``
+    only. torch's own TCPStore server listens on every interface whatever host it is given; this
+    one binds the listening socket itself and hands torch its descriptor, so a local run's store
+    is reachable from loopback alone (and a multi-machine coordinator's from the address it was
+    told to bind)."""
+
+    def __init__(self, host: str) -> None:
+        import socket
+
+        import torch.distributed as dist
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self._sock.listen(512)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                   master_listen_fd=self._sock.fileno())
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

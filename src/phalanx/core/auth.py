@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import warnings
 from pathlib import Path
 
 from phalanx.core.errors import ConfigError
@@ -29,17 +30,30 @@ def read_token_file(path: str | Path) -> bytes:
     p = Path(path)
     try:
         token = p.read_bytes().strip()
+        mode = p.stat().st_mode
     except OSError as e:
-        raise ConfigError(f"{p}: cannot read token file ({e.strerror}); create one with `phalanx token > FILE`") from e
+        raise ConfigError(f"{p}: cannot read token file ({e.strerror}); create one with "
+                          "`phalanx token --out FILE`") from e
     if len(token) < TOKEN_MIN_BYTES:
         raise ConfigError(f"{p}: token is {len(token)} bytes; at least {TOKEN_MIN_BYTES} are required")
+    if mode & 0o077:
+        warnings.warn(f"{p}: the cluster token is readable by other users (mode {mode & 0o777:o}); "
+                      f"run `chmod 600 {p}`", stacklevel=2)
     return token
 
 
 def write_token_file(path: str | Path, token: bytes) -> None:
-    """Write a token readable by the owner only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Create a token file readable by the owner only (0600). Refuses to overwrite an existing file
+    or to follow a symbolic link (O_EXCL | O_NOFOLLOW): a token never lands where it should not."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError as e:
+        raise ConfigError(f"{path}: already exists; a token file is never overwritten (remove it first, or "
+                          "choose another name)") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot create the token file ({e.strerror})") from e
     with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)  # whatever the umask
         f.write(token + b"\n")
 
 

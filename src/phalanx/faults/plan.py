@@ -1,7 +1,14 @@
-"""Fault plans: TOML files of timed faults. Errors name the file, the line and the problem."""
+"""Fault plans: TOML files of timed faults. Errors name the file, the line and the problem.
+
+Every value is checked here, before a run starts: types, ranges (finite, within sane bounds) and
+the shape of every target key (``groups``, ``isolate``, ``workers``, ``pair``); worker indices are
+checked against the run's size by :meth:`FaultPlan.validate_workers`. When a fault fires is
+defined once, in :mod:`phalanx.faults.timeline` (``at_s`` counts from the first committed step).
+"""
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import dataclass
@@ -55,6 +62,14 @@ _KEYS: dict[FaultKind, tuple[set[str], set[str]]] = {
 }
 
 
+# Upper bounds: a value past these is a typo, not a plan (and NaN or inf never are).
+_MAX: dict[str, float] = {
+    "at_step": 10**9, "at_s": 10**6, "worker": 65_535, "for_s": 86_400.0, "factor": 1_000.0, "mean_ms": 600_000.0,
+    "jitter_ms": 600_000.0, "delay_ms": 600_000.0, "bytes_per_s": 1e13, "restart_after_s": 3_600.0,
+}
+DISTRIBUTIONS = ("constant", "normal", "pareto")
+
+
 @dataclass(frozen=True)
 class Fault:
     index: int
@@ -71,6 +86,16 @@ class Fault:
 
     def param(self, key: str, default: Any = None) -> Any:
         return dict(self.params).get(key, default)
+
+    def named_workers(self) -> list[tuple[str, int]]:
+        """(key, worker index) of every worker this fault names."""
+        out = [("worker", self.worker)] if self.worker is not None else []
+        if self.param("isolate") is not None:
+            out.append(("isolate", int(self.param("isolate"))))
+        for key in ("workers", "pair"):
+            out += [(key, int(i)) for i in self.param(key) or ()]
+        out += [("groups", int(i)) for g in self.param("groups") or () for i in g]
+        return out
 
     def describe(self) -> str:
         who = f" worker {self.worker}" if self.worker is not None else ""
@@ -92,10 +117,13 @@ class FaultPlan:
         return frozenset(f.worker for f in self.faults if f.kind is FaultKind.JOIN and f.worker is not None)
 
     def validate_workers(self, num_workers: int) -> None:
+        """Every worker a fault names (``worker``, ``isolate``, ``groups``, ``workers``, ``pair``) exists."""
         for f in self.faults:
-            if f.worker is not None and not 0 <= f.worker < num_workers:
-                raise FaultPlanError(self.path, f.line, f"fault #{f.index + 1} ({f.kind.value}): worker {f.worker} "
-                                     f"does not exist in a run of {num_workers} workers (0..{num_workers - 1})")
+            for key, index in f.named_workers():
+                if not 0 <= index < num_workers:
+                    raise FaultPlanError(self.path, f.line, f"fault #{f.index + 1} ({f.kind.value}): worker {index} "
+                                         f"(in '{key}') does not exist in a run of {num_workers} workers "
+                                         f"(0..{num_workers - 1})")
         if self.joiners and len(self.joiners) >= num_workers:
             last = [f for f in self.faults if f.kind is FaultKind.JOIN][-1]
             raise FaultPlanError(self.path, last.line, f"fault #{last.index + 1} (join): every one of the "
@@ -183,9 +211,13 @@ def _fault(i: int, e: dict[str, Any], block: tuple[int | None, dict[str, int]], 
             return None
         v = e[key]
         ok = not isinstance(v, bool) and (isinstance(v, int) if integer else isinstance(v, (int, float)))
+        if ok and not math.isfinite(v):
+            raise err(key, f"'{key}' must be a finite number, got {v!r}")
         if not ok or v < minimum or (strict and v <= minimum):
             rel = ">" if strict else ">="
             raise err(key, f"'{key}' must be {'an integer' if integer else 'a number'} {rel} {minimum:g}, got {v!r}")
+        if v > _MAX.get(key, math.inf):
+            raise err(key, f"'{key}' = {v!r} is beyond the largest sensible value, {_MAX[key]:g}")
         return v
 
     params = []
@@ -197,9 +229,7 @@ def _fault(i: int, e: dict[str, Any], block: tuple[int | None, dict[str, int]], 
         if p >= 1:
             raise err("probability", f"'probability' must be in [0, 1), got {p}")
         params.append(("probability", float(p)))
-    for k in ("groups", "isolate", "one_way", "workers", "pair", "distribution"):
-        if k in e:
-            params.append((k, e[k]))
+    params += _targets(e, err)
     phase = e.get("phase", "step")
     if phase not in ("step", "allreduce"):
         raise err("phase", f"'phase' must be \"step\" or \"allreduce\", got {phase!r}")
@@ -211,6 +241,55 @@ def _fault(i: int, e: dict[str, Any], block: tuple[int | None, dict[str, int]], 
                  at_s=None if "at_s" not in e else float(num("at_s")), worker=num("worker", integer=True),
                  for_s=None if "for_s" not in e else float(num("for_s", strict=True)), restart=restart, phase=phase,
                  factor=None if factor is None else float(factor), params=tuple(params))
+
+
+def _indices(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= _MAX["worker"]
+                                       for i in v)
+
+
+def _targets(e: dict[str, Any], err: Any) -> list[tuple[str, Any]]:
+    """The target keys, their shapes checked (indices against the run's size later)."""
+    out: list[tuple[str, Any]] = []
+    if "groups" in e and "isolate" in e:
+        raise err("isolate", "give 'groups' (the sides) or 'isolate' (one worker), not both")
+    if "workers" in e and "pair" in e:
+        raise err("pair", "give 'workers' (their links) or 'pair' (one link), not both")
+    if "groups" in e:
+        g = e["groups"]
+        if not isinstance(g, list) or len(g) < 2 or not all(_indices(x) and x for x in g):
+            raise err("groups", f"'groups' must be a list of at least two non-empty lists of worker indices, "
+                                f"e.g. [[0, 1], [2]], got {g!r}")
+        flat = [i for x in g for i in x]
+        if len(flat) != len(set(flat)):
+            dup = sorted({i for i in flat if flat.count(i) > 1})
+            raise err("groups", f"worker {dup[0]} is in two groups")
+        out.append(("groups", tuple(tuple(x) for x in g)))
+    if "isolate" in e:
+        v = e["isolate"]
+        if not _indices([v]):
+            raise err("isolate", f"'isolate' must be one worker index, got {v!r}")
+        out.append(("isolate", v))
+    if "workers" in e:
+        v = e["workers"]
+        if not _indices(v) or not v or len(v) != len(set(v)):
+            raise err("workers", f"'workers' must be a non-empty list of distinct worker indices, got {v!r}")
+        out.append(("workers", tuple(v)))
+    if "pair" in e:
+        v = e["pair"]
+        if not _indices(v) or len(v) != 2 or v[0] == v[1]:
+            raise err("pair", f"'pair' must name two different workers, e.g. [0, 1], got {v!r}")
+        out.append(("pair", tuple(v)))
+    if "one_way" in e:
+        if not isinstance(e["one_way"], bool):
+            raise err("one_way", f"'one_way' must be true or false, got {e['one_way']!r}")
+        out.append(("one_way", e["one_way"]))
+    if "distribution" in e:
+        if e["distribution"] not in DISTRIBUTIONS:
+            raise err("distribution", f"'distribution' must be one of {', '.join(DISTRIBUTIONS)}, "
+                                      f"got {e['distribution']!r}")
+        out.append(("distribution", e["distribution"]))
+    return out
 
 
 def _check_joins(faults: tuple[Fault, ...], path: str) -> None:

@@ -16,63 +16,29 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import Any
 
-from phalanx.core.errors import FaultPlanError
 from phalanx.core.messages import InjectFault
 from phalanx.faults.plan import NETWORK_KINDS, Fault, FaultKind, FaultPlan
+from phalanx.faults.targets import cut_off, link_scope, partition_sides, sides_as_groups
+from phalanx.faults.timeline import FaultRecord, FaultTimeline
 from phalanx.membership.coordinator import Coordinator
 from phalanx.runtime.supervisor import Supervisor
 
 
-@dataclass
-class FaultRecord:
-    kind: str
-    worker: int | None
-    at_step: int
-    injected_mono: float
-    description: str
-    detected_after_s: float | None = None
-    recovered_after_s: float | None = None
-    ended_after_s: float | None = None  # when a timed fault (freeze, hang) was lifted
-    targets: tuple[str, ...] = ()  # workers whose suspicion counts as detecting this fault
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "worker": self.worker, "at_step": self.at_step, "description": self.description,
-                "detected_after_s": _r(self.detected_after_s), "recovered_after_s": _r(self.recovered_after_s),
-                "ended_after_s": _r(self.ended_after_s), "targets": list(self.targets)}
-
-
-def _r(x: float | None) -> float | None:
-    return None if x is None else round(x, 3)
-
-
 class FaultInjector:
-    def __init__(self, plan: FaultPlan, coordinator: Coordinator, supervisor: Supervisor) -> None:
+    def __init__(self, plan: FaultPlan, coordinator: Coordinator, supervisor: Supervisor,
+                 timeline: FaultTimeline | None = None) -> None:
         self.plan, self.coord, self.sup = plan, coordinator, supervisor
-        self.records: list[FaultRecord] = []
+        self.timeline = timeline or FaultTimeline()  # the launcher feeds it every coordinator event
         self.kill_restart: dict[int, bool] = {}  # worker index -> restart it after the planned kill?
-        self._first_commit_mono: float | None = None
         n = len(supervisor.workers)
         # Resolved up front, so a bad target in the plan fails before the run, with its line.
-        self._network = {f.index: network_fault_messages(f, n, plan.path) for f in plan.faults
-                         if f.kind in NETWORK_KINDS}
+        plan.validate_workers(n)
+        self._network = {f.index: network_fault_messages(f, n) for f in plan.faults if f.kind in NETWORK_KINDS}
 
-    def on_event(self, ev: dict[str, Any]) -> None:
-        """Fed every coordinator event, to time detection and recovery."""
-        now = time.monotonic()
-        if ev["event"] == "step_committed" and self._first_commit_mono is None:
-            self._first_commit_mono = now
-        for r in self.records:
-            if r.kind == FaultKind.JOIN.value:
-                if r.recovered_after_s is None and ev["event"] == "step_committed" and \
-                        set(r.targets) & set(ev.get("members", ())):
-                    r.recovered_after_s = now - r.injected_mono
-            elif r.detected_after_s is None and ev["event"] == "worker_suspected" and ev.get("worker") in r.targets:
-                r.detected_after_s = now - r.injected_mono
-            elif r.detected_after_s is not None and r.recovered_after_s is None and ev["event"] == "step_committed":
-                r.recovered_after_s = now - r.injected_mono
+    @property
+    def records(self) -> list[FaultRecord]:
+        return self.timeline.records
 
     async def run(self) -> None:
         await asyncio.gather(*(self._one(f) for f in self.plan.faults))
@@ -105,13 +71,13 @@ class FaultInjector:
             self.sup.freeze(w)
             await asyncio.sleep(f.for_s)
             self.sup.thaw(w)
-            rec.ended_after_s = time.monotonic() - rec.injected_mono
+            rec.end(time.monotonic())
         elif f.kind in (FaultKind.GIL_HANG, FaultKind.HANG, FaultKind.STRAGGLER):
             await self.coord.inject(f"w{f.worker}", InjectFault(kind=f.kind.value, for_s=f.for_s or 0.0,
                                                                 factor=f.factor or 1.0))
             if f.for_s:
                 await asyncio.sleep(f.for_s)
-                rec.ended_after_s = time.monotonic() - rec.injected_mono
+                rec.end(time.monotonic())
         else:
             raise AssertionError(f"fault kind {f.kind.value} reached the real injector unchecked")
 
@@ -124,18 +90,13 @@ class FaultInjector:
         self.coord.emit("network_fault_sent", kind=f.kind.value, workers=sent, targets=list(targets))
         if f.for_s:
             await asyncio.sleep(f.for_s)  # each worker lifts it on its own clock after for_s, too
-            rec.ended_after_s = time.monotonic() - rec.injected_mono
+            rec.end(time.monotonic())
             self.coord.emit("partition_healed" if f.kind is FaultKind.PARTITION else "network_fault_lifted",
                             kind=f.kind.value)
 
     def _record(self, f: Fault, targets: tuple[str, ...] | None = None, worker: int | None = None) -> FaultRecord:
-        worker = f.worker if worker is None else worker
-        if targets is None:
-            targets = (f"w{f.worker}",) if f.worker is not None else ()
-        rec = FaultRecord(f.kind.value, worker, self.coord.cluster_step + 1, time.monotonic(), f.describe(),
-                          targets=targets)
-        self.records.append(rec)
-        self.coord.emit("fault_injected", kind=f.kind.value, worker=f"w{f.worker}" if f.worker is not None else None,
+        rec = self.timeline.record(f, self.coord.cluster_step + 1, time.monotonic(), targets or (), worker)
+        self.coord.emit("fault_injected", kind=f.kind.value, worker=f"w{rec.worker}" if rec.worker is not None else None,
                         at_step=rec.at_step, description=f.describe())
         return rec
 
@@ -144,77 +105,28 @@ class FaultInjector:
             await asyncio.sleep(0.05)
 
     async def _wait_trigger(self, f: Fault) -> None:
-        while True:
-            if f.at_step is not None and self.coord.cluster_step + 1 >= f.at_step:
-                return
-            if f.at_s is not None and self._first_commit_mono is not None and \
-                    time.monotonic() - self._first_commit_mono >= f.at_s:
-                return
-            await asyncio.sleep(0.005)
+        await self.timeline.wait_until_due(f, lambda: self.coord.cluster_step + 1, time.monotonic, asyncio.sleep)
 
 
-def network_fault_messages(f: Fault, num_workers: int, path: str = "<plan>") -> tuple[dict[str, InjectFault], tuple[str, ...]]:
-    """Which worker gets which InjectFault for network fault ``f``, and the fault's targets.
-
-    Partition: every worker gets the sides (the coordinator is with the first group, side 0), as
-    in the simulator: ``isolate = N`` cuts one worker off, ``groups`` lists the sides, and with
-    neither the workers above the middle are cut off. Link faults: untargeted, every link of every
-    worker; ``workers`` (or ``worker``), every link of those workers, so their peers charge their
-    links to them too; ``pair = [a, b]``, the one link between a and b.
-    """
-    def bad(problem: str) -> FaultPlanError:
-        return FaultPlanError(path, f.line or None, f"fault #{f.index + 1} ({f.kind.value}): {problem}")
-
-    def index(v: Any, key: str) -> int:
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < num_workers:
-            raise bad(f"'{key}' names worker {v!r}, which does not exist in a run of {num_workers} workers "
-                      f"(0..{num_workers - 1})")
-        return v
-
+def network_fault_messages(f: Fault, num_workers: int) -> tuple[dict[str, InjectFault], tuple[str, ...]]:
+    """Which worker gets which InjectFault for network fault ``f``, and the fault's targets (who
+    it hits: faults/targets.py, the same rule the simulator uses). Each worker applies its message
+    at its own seams (train/network_faults.py)."""
     names = [f"w{i}" for i in range(num_workers)]
     for_s = f.for_s or 0.0
     if f.kind is FaultKind.PARTITION:
-        one_way = f.param("one_way", False)
-        if not isinstance(one_way, bool):
-            raise bad(f"'one_way' must be true or false, got {one_way!r}")
-        sides: dict[str, int] = {}
-        if f.param("isolate") is not None:
-            sides[names[index(f.param("isolate"), "isolate")]] = 1
-        elif f.param("groups") is not None:
-            groups = f.param("groups")
-            if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups) or len(groups) < 2:
-                raise bad("'groups' must be a list of at least two lists of worker indices, e.g. [[0, 1], [2]]")
-            for side, group in enumerate(groups):
-                for v in group:
-                    w = names[index(v, "groups")]
-                    if w in sides:
-                        raise bad(f"worker {v} is in two groups")
-                    sides[w] = side  # the coordinator stays with the first group (side 0)
-        else:
-            sides = {names[i]: 1 for i in range(num_workers // 2 + 1, num_workers)}
-        groups_by_side = [sorted((w for w, s in sides.items() if s == side), key=lambda w: int(w[1:]))
-                          for side in range(max(sides.values(), default=0) + 1)]
-        msg = InjectFault(kind="partition", for_s=for_s, groups=groups_by_side, one_way=one_way)
-        targets = tuple(w for w in names if sides.get(w, 0) != 0)
-        return {w: msg for w in names}, targets
-    dist = f.param("distribution", "normal")
-    if dist not in ("constant", "normal", "pareto"):
-        raise bad(f"'distribution' must be \"constant\", \"normal\" or \"pareto\", got {dist!r}")
+        sides = partition_sides(f, num_workers)
+        msg = InjectFault(kind="partition", for_s=for_s, groups=sides_as_groups(sides, num_workers),
+                          one_way=bool(f.param("one_way", False)))
+        return {w: msg for w in names}, cut_off(sides, num_workers)
     base = {"kind": f.kind.value, "for_s": for_s, "mean_ms": float(f.param("mean_ms", 0.0)),
-            "jitter_ms": float(f.param("jitter_ms", 0.0)), "distribution": dist,
+            "jitter_ms": float(f.param("jitter_ms", 0.0)), "distribution": str(f.param("distribution", "normal")),
             "probability": float(f.param("probability", 0.0)), "bytes_per_s": float(f.param("bytes_per_s", 0.0))}
-    pair, chosen = f.param("pair"), f.param("workers")
-    if pair is not None:
-        if not isinstance(pair, list) or len(pair) != 2 or pair[0] == pair[1]:
-            raise bad(f"'pair' must be two different worker indices, e.g. [0, 1], got {pair!r}")
-        a, b = (names[index(v, "pair")] for v in pair)
-        return {a: InjectFault(**base, peers=[b]), b: InjectFault(**base, peers=[a])}, (a, b)
-    if chosen is None and f.worker is not None:
-        chosen = [f.worker]
-    if chosen is None:
+    scope = link_scope(f)
+    if scope.pair:
+        a, b = scope.pair
+        return {a: InjectFault(**base, peers=[b]), b: InjectFault(**base, peers=[a])}, scope.pair
+    if scope.everywhere:
         return {w: InjectFault(**base) for w in names}, tuple(names)
-    if not isinstance(chosen, list) or not chosen:
-        raise bad(f"'workers' must be a non-empty list of worker indices, got {chosen!r}")
-    hit = sorted({names[index(v, "workers")] for v in chosen}, key=lambda w: int(w[1:]))
-    out = {w: InjectFault(**base) if w in hit else InjectFault(**base, peers=hit) for w in names}
-    return out, tuple(hit)
+    hit = list(scope.workers)
+    return {w: InjectFault(**base) if w in hit else InjectFault(**base, peers=hit) for w in names}, scope.workers

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phalanx.collectives.process_group import RendezvousStore
 from phalanx.core.auth import generate_token, read_token_file, write_token_file
 from phalanx.core.errors import JobFailed
 from phalanx.core.modes import ModeConfig
 from phalanx.faults.plan import EMPTY_PLAN, FaultKind, FaultPlan
+from phalanx.faults.timeline import FaultTimeline
 from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
 from phalanx.membership.failure_detector import DetectorConfig
 from phalanx.membership.quorum import QuorumConfig
@@ -30,6 +32,7 @@ from phalanx.runtime.fault_injector import FaultInjector
 from phalanx.runtime.launcher_faults import CoordinatorHolder, LauncherFaults, split_plan
 from phalanx.runtime.netns import KernelFaults, NamespaceNetwork, NetworkSetupError
 from phalanx.runtime.progress import Progress
+from phalanx.runtime.run_dir import is_phalanx_run
 from phalanx.runtime.supervisor import Supervisor
 from phalanx.transport.real_host import RealHost
 from phalanx.transport.tcp import TcpTransport
@@ -93,126 +96,147 @@ def launch(cfg: LaunchConfig) -> LaunchResult:
         net.teardown()
 
 
-def _store(host: str = "127.0.0.1") -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-
-
 async def _launch(cfg: LaunchConfig, net: NamespaceNetwork | None) -> LaunchResult:
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    token_path = Path(cfg.token_file) if cfg.token_file else cfg.run_dir / "token"
-    if cfg.token_file:
-        read_token_file(token_path)  # validate early, with a clear message
-    else:
-        write_token_file(token_path, generate_token())  # a fresh token for every local run
-    token = read_token_file(token_path)
-    events: list[dict[str, Any]] = []
-    events_file = open(cfg.run_dir / "events.jsonl", "a", buffering=1)
-    injector: FaultInjector | None = None
-    own: LauncherFaults | None = None
-    progress = Progress(cfg.workers, cfg.total_steps, enabled=cfg.show_progress)
-    # Only a coordinator restart reads the floor, and only a coordinator_kill restarts it: without
-    # one, no file write (~0.1 ms) sits on the commit path.
-    floor = DurableFloor(cfg.run_dir) if any(f.kind is FaultKind.COORDINATOR_KILL
-                                             for f in cfg.fault_plan.faults) else None
-
-    def on_event(ev: dict[str, Any]) -> None:
-        ev.setdefault("mono", round(time.monotonic(), 6))  # the clock worker span logs use too
-        if floor is not None and ev.get("event") == "quorum_formed":  # before it leaves the process
-            floor.raise_to(int(ev["quorum_id"]))
-        elif floor is not None and ev.get("event") == "step_committed":
-            floor.raise_to(int(ev["quorum_id"]), int(ev["step"]), tuple(ev["members"]))
-        events.append(ev)
-        if not events_file.closed:  # late events during shutdown are kept in memory only
-            events_file.write(json.dumps(ev) + "\n")
-        if injector is not None:
-            injector.on_event(ev)
-        if own is not None:
-            own.on_event(ev)
-        progress.on_event(ev)
-
-    holder: CoordinatorHolder | None = None
-    transport = TcpTransport(token, name="coordinator", on_reject=lambda peer, why: on_event(
-        {"t": time.monotonic() - t0, "mono": time.monotonic(), "node": "coordinator", "event": "connection_refused",
-         "peer": peer, "reason": why}))
-    store = None
-    host = net.coordinator_host if net is not None else "127.0.0.1"
-    kernel = KernelFaults(net) if net is not None else None
-    injector_plan, kernel_faults, kills = split_plan(cfg.fault_plan, kernel)
-    for f in kernel_faults:
-        assert kernel is not None
-        kernel.check(f, cfg.fault_plan.path)
-    if cfg.coordinator:
-        address = cfg.coordinator
-        if kills:
-            raise JobFailed("coordinator_kill needs the embedded coordinator; it cannot kill a remote --coordinator")
-        if cfg.fault_plan.joiners:  # the fault injector starts them, and it runs with the embedded coordinator
-            raise JobFailed("a join fault needs the embedded coordinator; with a remote --coordinator, start the "
-                            "late worker yourself")
-    else:
-        store = _store(host)
-        new_coordinator = _coordinator_factory(cfg, transport, f"{host}:{store.port}", on_event)
-        holder = CoordinatorHolder(new_coordinator(_resume_point(cfg) if cfg.resume else None, 0.0))
-        first_mono = time.monotonic()
-        address = await holder.current.start(f"{host}:0")
-    env = {**os.environ, **cfg.extra_env, "PHALANX_COORDINATOR": address, "PHALANX_TOKEN_FILE": str(token_path),
-           "PHALANX_RUN_DIR": str(cfg.run_dir), "PHALANX_DATA_SEED": str(cfg.data_seed),
-           "PYTHONUNBUFFERED": "1"}
-    sup = Supervisor(cfg.argv, env, cfg.run_dir, cfg.workers, cfg.restart_failed,
-                     wrap=net.worker_command if net is not None else None, joiners=cfg.fault_plan.joiners)
-    if holder is not None:
-        injector = FaultInjector(injector_plan, holder.current, sup)
-
-        async def restart_coordinator() -> None:
-            """A brand-new coordinator on the same address; it knows only the newest durable
-            checkpoint and what the workers' Hellos tell it (cluster step, highest quorum id)."""
-            assert holder is not None
-            shift_s = time.monotonic() - first_mono
-            new = new_coordinator(_newest_checkpoint(cfg), shift_s)
-            # Ids above every id the dead coordinator issued, and no step it committed committed
-            # again, even if only a worker that has not reconnected yet (a frozen one) saw them:
-            # the floor is on disk, written before each new id or commit went out.
-            new.raise_floor(*DurableFloor.read(cfg.run_dir))
-            await _start_on(new, address)
-            holder.replace(new, shift_s)
-            if injector is not None:
-                injector.coord = new  # the injector's triggers and injections follow the new incarnation
-
-        own = LauncherFaults(holder, restart_coordinator, lambda event, **kw: on_event(
-            {"t": time.monotonic() - t0, "node": "launcher", "event": event, **kw}))
-    sup.start_all()
-    ok, reason = False, ""
-    inj_task = asyncio.ensure_future(injector.run()) if injector else None
-    own_task = asyncio.ensure_future(own.run(kernel, kernel_faults, kills)) if own and (kernel_faults or kills) else None
-    progress.start()
+    """A run in five steps: open its outputs, start (or reach) the coordinator, start the
+    workers and the fault plan, watch until the job ends, shut everything down."""
+    run = _Run(cfg, net)
+    address = await run.start_coordinator()
+    run.start_workers_and_faults(address)
     try:
-        ok, reason = await _supervise(cfg, sup, holder, injector, progress, t0, on_event, own_task)
-    finally:
-        progress.stop()
-        for task in (inj_task, own_task):
+        ok, reason = await _supervise(cfg, run.sup, run.holder, run.injector, run.progress, run.t0, run.on_event,
+                                      run.own_task)
+    except BaseException:
+        await run.shut_down("launcher interrupted")
+        raise
+    await run.shut_down(reason or "job finished")
+    return run.result(ok, reason)
+
+
+class _Run:
+    """The state of one launch: outputs, coordinator, workers, fault plan, and their shutdown."""
+
+    def __init__(self, cfg: LaunchConfig, net: NamespaceNetwork | None) -> None:
+        self.cfg, self.net, self.t0 = cfg, net, time.monotonic()
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.token_path = Path(cfg.token_file) if cfg.token_file else cfg.run_dir / "token"
+        if cfg.token_file:
+            read_token_file(self.token_path)  # validate early, with a clear message
+        else:
+            if is_phalanx_run(cfg.run_dir):
+                self.token_path.unlink(missing_ok=True)  # the previous run's (a link is removed, not followed)
+            write_token_file(self.token_path, generate_token())  # a fresh token for every local run, mode 600
+        self.token = read_token_file(self.token_path)
+        self.events: list[dict[str, Any]] = []
+        self.events_file = open(cfg.run_dir / "events.jsonl", "a", buffering=1)
+        self.timeline = FaultTimeline()  # when faults fire and what they did: one for the whole run
+        self.injector: FaultInjector | None = None
+        self.own: LauncherFaults | None = None
+        self.own_task: asyncio.Future[Any] | None = None
+        self._inj_task: asyncio.Future[Any] | None = None
+        self.holder: CoordinatorHolder | None = None
+        self.progress = Progress(cfg.workers, cfg.total_steps, enabled=cfg.show_progress)
+        # Only a coordinator restart reads the floor, and only a coordinator_kill restarts it: without
+        # one, no file write (~0.1 ms) sits on the commit path.
+        self.floor = DurableFloor(cfg.run_dir) if any(f.kind is FaultKind.COORDINATOR_KILL
+                                                      for f in cfg.fault_plan.faults) else None
+        self.transport = TcpTransport(self.token, name="coordinator", on_reject=lambda peer, why: self.on_event(
+            {"t": time.monotonic() - self.t0, "mono": time.monotonic(), "node": "coordinator",
+             "event": "connection_refused", "peer": peer, "reason": why}))
+        self.kernel = KernelFaults(net) if net is not None else None
+        self.injector_plan, self.kernel_faults, self.kills = split_plan(cfg.fault_plan, self.kernel)
+        for f in self.kernel_faults:
+            assert self.kernel is not None
+            self.kernel.check(f, cfg.fault_plan.path)
+
+    def on_event(self, ev: dict[str, Any]) -> None:
+        now = time.monotonic()
+        ev.setdefault("mono", round(now, 6))  # the clock worker span logs use too
+        if self.floor is not None and ev.get("event") == "quorum_formed":  # before it leaves the process
+            self.floor.raise_to(int(ev["quorum_id"]))
+        elif self.floor is not None and ev.get("event") == "step_committed":
+            self.floor.raise_to(int(ev["quorum_id"]), int(ev["step"]), tuple(ev["members"]))
+        self.events.append(ev)
+        if not self.events_file.closed:  # late events during shutdown are kept in memory only
+            self.events_file.write(json.dumps(ev) + "\n")
+        self.timeline.observe(ev, now)
+        self.progress.on_event(ev)
+
+    async def start_coordinator(self) -> str:
+        cfg = self.cfg
+        if cfg.coordinator:
+            if self.kills:
+                raise JobFailed("coordinator_kill needs the embedded coordinator; it cannot kill a remote "
+                                "--coordinator")
+            if cfg.fault_plan.joiners:  # the fault injector starts them, with the embedded coordinator
+                raise JobFailed("a join fault needs the embedded coordinator; with a remote --coordinator, start "
+                                "the late worker yourself")
+            return cfg.coordinator
+        host = self.net.coordinator_host if self.net is not None else "127.0.0.1"
+        self._store = RendezvousStore(host)  # listens on host only; kept alive for the run
+        self._new_coordinator = _coordinator_factory(cfg, self.transport, self._store.address, self.on_event)
+        self.holder = CoordinatorHolder(self._new_coordinator(_resume_point(cfg) if cfg.resume else None, 0.0))
+        self._first_mono = time.monotonic()
+        self.address = await self.holder.current.start(f"{host}:0")
+        return self.address
+
+    async def _restart_coordinator(self) -> None:
+        """A brand-new coordinator on the same address; it knows only the newest durable checkpoint
+        and what the workers' Hellos tell it (cluster step, highest quorum id)."""
+        assert self.holder is not None
+        shift_s = time.monotonic() - self._first_mono
+        new = self._new_coordinator(_newest_checkpoint(self.cfg), shift_s)
+        # Ids above every id the dead coordinator issued, and no step it committed committed again,
+        # even if only a worker that has not reconnected yet (a frozen one) saw them: the floor is
+        # on disk, written before each new id or commit went out.
+        new.raise_floor(*DurableFloor.read(self.cfg.run_dir))
+        await _start_on(new, self.address)
+        self.holder.replace(new, shift_s)
+        if self.injector is not None:
+            self.injector.coord = new  # the injector's triggers and injections follow the new incarnation
+
+    def start_workers_and_faults(self, address: str) -> None:
+        cfg = self.cfg
+        env = {**os.environ, **cfg.extra_env, "PHALANX_COORDINATOR": address, "PHALANX_TOKEN_FILE": str(self.token_path),
+               "PHALANX_RUN_DIR": str(cfg.run_dir), "PHALANX_DATA_SEED": str(cfg.data_seed), "PYTHONUNBUFFERED": "1"}
+        self.sup = Supervisor(cfg.argv, env, cfg.run_dir, cfg.workers, cfg.restart_failed,
+                              wrap=self.net.worker_command if self.net is not None else None,
+                              joiners=cfg.fault_plan.joiners)
+        if self.holder is not None:
+            self.injector = FaultInjector(self.injector_plan, self.holder.current, self.sup, self.timeline)
+            self.own = LauncherFaults(self.holder, self._restart_coordinator, self.timeline, lambda event, **kw:
+                                      self.on_event({"t": time.monotonic() - self.t0, "node": "launcher",
+                                                     "event": event, **kw}))
+        self.sup.start_all()
+        if self.injector is not None:
+            self._inj_task = asyncio.ensure_future(self.injector.run())
+        if self.own is not None and (self.kernel_faults or self.kills):
+            self.own_task = asyncio.ensure_future(self.own.run(self.kernel, self.kernel_faults, self.kills))
+        self.progress.start()
+
+    async def shut_down(self, reason: str) -> None:
+        self.progress.stop()
+        for task in (self._inj_task, self.own_task):
             if task is not None:
                 task.cancel()
-        sup.stop_all()
-        if holder is not None:
-            await holder.current.stop(reason or "job finished")
-        if net is not None:
-            net.teardown()
-        for c in holder.superseded() if holder is not None else []:
-            on_event({"t": time.monotonic() - t0, "node": "launcher", "event": "commit_superseded", "step": c.step,
-                      "quorum_id": c.quorum_id, "reason": "recorded by a coordinator that crashed before any "
-                                                          "worker acted on it; the step was committed again"})
-        events_file.close()
-    wall_s = time.monotonic() - t0
-    records = sorted([*(injector.records if injector else []), *(own.records if own else [])],
-                     key=lambda r: r.injected_mono)
-    return LaunchResult(ok, reason, wall_s, holder.commits() if holder else [], holder.steps_retried if holder else 0,
-                        [r.to_json() for r in records], events,
-                        {"bytes_sent": transport.stats.bytes_sent, "frames_sent": transport.stats.frames_sent,
-                         "bytes_received": transport.stats.bytes_received,
-                         "frames_received": transport.stats.frames_received,
-                         "rejected": transport.stats.rejected})
+        self.sup.stop_all()
+        if self.holder is not None:
+            await self.holder.current.stop(reason)
+        if self.net is not None:
+            self.net.teardown()
+        for c in self.holder.superseded() if self.holder is not None else []:
+            self.on_event({"t": time.monotonic() - self.t0, "node": "launcher", "event": "commit_superseded",
+                           "step": c.step, "quorum_id": c.quorum_id, "reason": "recorded by a coordinator that "
+                           "crashed before any worker acted on it; the step was committed again"})
+        self.events_file.close()
+
+    def result(self, ok: bool, reason: str) -> LaunchResult:
+        records = sorted(self.timeline.records, key=lambda r: r.injected_s)
+        t = self.transport.stats
+        return LaunchResult(ok, reason, time.monotonic() - self.t0, self.holder.commits() if self.holder else [],
+                            self.holder.steps_retried if self.holder else 0, [r.to_json() for r in records],
+                            self.events, {"bytes_sent": t.bytes_sent, "frames_sent": t.frames_sent,
+                                          "bytes_received": t.bytes_received, "frames_received": t.frames_received,
+                                          "rejected": t.rejected})
 
 
 class DurableFloor:

@@ -15,12 +15,11 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
 
 from phalanx.faults.plan import Fault, FaultKind, FaultPlan
-from phalanx.membership.coordinator import CommitRecord, Coordinator
-from phalanx.runtime.fault_injector import FaultRecord
+from phalanx.membership.commit_log import CommitRecord, merge_commits
+from phalanx.membership.coordinator import Coordinator
+from phalanx.faults.timeline import FaultRecord, FaultTimeline
 from phalanx.runtime.netns import KernelFaults
 
 DEFAULT_RESTART_AFTER_S = 1.0
@@ -32,26 +31,6 @@ def split_plan(plan: FaultPlan, kernel: KernelFaults | None) -> tuple[FaultPlan,
     in_kernel = tuple(f for f in plan.faults if kernel is not None and f not in kills and kernel.takes(f))
     rest = tuple(f for f in plan.faults if f not in kills and f not in in_kernel)
     return dataclasses.replace(plan, faults=rest), in_kernel, kills
-
-
-def merge_commits(incarnations: list[list[CommitRecord]]) -> tuple[list[CommitRecord], list[CommitRecord]]:
-    """One commit list over coordinator incarnations, and the records that were superseded.
-
-    A crash can fall after the coordinator recorded a commit but before any worker heard of it:
-    every worker then rolls that step back and the next incarnation commits it again. The later
-    record is the one the workers acted on, so it replaces the earlier one.
-    """
-    merged: list[CommitRecord] = []
-    superseded: list[CommitRecord] = []
-    for commits in incarnations:
-        if commits:
-            first = commits[0].step
-            superseded += [c for c in merged if c.step >= first]
-            merged = [c for c in merged if c.step < first]
-        merged += commits
-    steps = [c.step for c in merged]
-    assert steps == sorted(set(steps)), f"commits across coordinator incarnations go up by one: {steps[:20]}"
-    return merged, superseded
 
 
 class CoordinatorHolder:
@@ -82,45 +61,14 @@ class CoordinatorHolder:
         return sum(coord.steps_retried for coord, _ in self._incarnations)
 
 
-@dataclass
-class _Tracked:
-    record: FaultRecord
-    targets: list[str]  # worker ids whose suspicion counts as detection ([] for a coordinator kill)
-    restarted_mono: float | None = None
-
-
 class LauncherFaults:
-    """Runs coordinator kills and kernel faults; times detection and recovery like the injector.
+    """Runs coordinator kills and kernel faults on the run's FaultTimeline (which times detection
+    and recovery from the coordinator's events, as for every other fault)."""
 
-    Detection of a kernel fault: the first suspicion of a worker it cut off or slowed. Detection
-    of a coordinator kill: the first worker the restarted coordinator admits. Recovery: the first
-    step committed after detection.
-    """
-
-    def __init__(self, holder: CoordinatorHolder, restart: Callable[[], Awaitable[None]],
+    def __init__(self, holder: CoordinatorHolder, restart: Callable[[], Awaitable[None]], timeline: FaultTimeline,
                  emit: Callable[..., None]) -> None:
-        self.holder, self._restart, self._emit = holder, restart, emit
-        self._tracked: list[_Tracked] = []
-        self._first_commit_mono: float | None = None
+        self.holder, self._restart, self.timeline, self._emit = holder, restart, timeline, emit
         self._kill_lock = asyncio.Lock()
-
-    @property
-    def records(self) -> list[FaultRecord]:
-        return [t.record for t in self._tracked]
-
-    def on_event(self, ev: dict[str, Any]) -> None:
-        now = time.monotonic()
-        name = ev["event"]
-        if name == "step_committed" and self._first_commit_mono is None:
-            self._first_commit_mono = now
-        for t in self._tracked:
-            r = t.record
-            if r.detected_after_s is None:
-                if (name == "worker_suspected" and ev.get("worker") in t.targets) or \
-                        (name == "worker_joined" and t.restarted_mono is not None):
-                    r.detected_after_s = now - r.injected_mono
-            elif r.recovered_after_s is None and name == "step_committed":
-                r.recovered_after_s = now - r.injected_mono
 
     async def run(self, kernel: KernelFaults | None, kernel_faults: tuple[Fault, ...],
                   kills: tuple[Fault, ...]) -> None:
@@ -130,43 +78,35 @@ class LauncherFaults:
         await asyncio.gather(*jobs)
 
     async def wait_for_trigger(self, f: Fault) -> None:
-        """``at_step``: that many steps committed; ``at_s``: seconds since the first commit."""
-        while True:
-            if f.at_step is not None and self.holder.current.cluster_step + 1 >= f.at_step:
-                return
-            if f.at_s is not None and self._first_commit_mono is not None and \
-                    time.monotonic() - self._first_commit_mono >= f.at_s:
-                return
-            await asyncio.sleep(0.005)
+        await self.timeline.wait_until_due(f, lambda: self.holder.current.cluster_step + 1, time.monotonic,
+                                           asyncio.sleep)
 
-    def _record(self, f: Fault, targets: list[str]) -> _Tracked:
+    def _record(self, f: Fault, targets: list[str]) -> FaultRecord:
         coord = self.holder.current
         single = f.worker if f.worker is not None else (int(targets[0][1:]) if len(targets) == 1 else None)
-        rec = FaultRecord(kind=f.kind.value, worker=single, at_step=coord.cluster_step + 1,
-                          injected_mono=time.monotonic(), description=f.describe(), targets=tuple(targets))
-        tracked = _Tracked(rec, targets)
-        self._tracked.append(tracked)
+        rec = self.timeline.record(f, coord.cluster_step + 1, time.monotonic(), tuple(targets), single)
+        rec.targets = tuple(targets)  # a coordinator kill has no worker targets
         coord.emit("fault_injected", kind=f.kind.value, worker=f"w{single}" if single is not None else None,
                    at_step=rec.at_step, description=f.describe(), targets=targets, where="launcher")
-        return tracked
+        return rec
 
-    def _record_kernel(self, f: Fault, indices: list[int]) -> _Tracked:
+    def _record_kernel(self, f: Fault, indices: list[int]) -> FaultRecord:
         return self._record(f, [f"w{i}" for i in indices])
 
-    def _ended(self, tracked: _Tracked) -> None:
-        tracked.record.ended_after_s = time.monotonic() - tracked.record.injected_mono
-        if tracked.record.kind == FaultKind.PARTITION.value:
-            self.holder.current.emit("partition_healed", targets=tracked.targets)
+    def _ended(self, rec: FaultRecord) -> None:
+        rec.end(time.monotonic())
+        if rec.kind == FaultKind.PARTITION.value:
+            self.holder.current.emit("partition_healed", targets=list(rec.targets))
 
     async def _coordinator_kill(self, f: Fault) -> None:
         await self.wait_for_trigger(f)
         async with self._kill_lock:  # two kills never overlap: the second waits for the restart
-            tracked = self._record(f, [])
+            rec = self._record(f, [])
             old = self.holder.current
             restart_after_s = float(f.param("restart_after_s", DEFAULT_RESTART_AFTER_S))
             self._emit("coordinator_crashed", cluster_step=old.cluster_step, restart_after_s=restart_after_s)
             old.crash()
             await asyncio.sleep(restart_after_s)
             await self._restart()
-            tracked.restarted_mono = time.monotonic()
-            self._ended(tracked)
+            rec.restarted = True  # detected when the new incarnation admits its first worker
+            self._ended(rec)

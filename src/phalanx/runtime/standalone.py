@@ -6,6 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from phalanx.collectives.process_group import RendezvousStore
 from phalanx.core.auth import read_token_file
 from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
 from phalanx.membership.quorum import QuorumConfig
@@ -20,14 +21,12 @@ def run_coordinator(bind: str, token_file: str, workers: int, run_dir: Path) -> 
 
 
 async def _serve(bind: str, token: bytes, workers: int, run_dir: Path) -> int:
-    import torch.distributed as dist
-
     host, _ = split_address(bind)
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    store = RendezvousStore(host)  # on the bind address only, not every interface
     events = open(run_dir / "events.jsonl", "a", buffering=1)
     cfg = CoordinatorConfig(quorum=QuorumConfig(expected_workers=workers), run_dir=str(run_dir))
     coord = Coordinator(RealHost("coordinator", TcpTransport(token, name="coordinator")), cfg,
-                        f"{host}:{store.port}", lambda ev: (events.write(json.dumps(ev) + "\n"), print(json.dumps(ev))))
+                        store.address, lambda ev: (events.write(json.dumps(ev) + "\n"), print(json.dumps(ev))))
     address = await coord.start(bind)
     print(f"phalanx coordinator listening on {address}", flush=True)
     await coord.all_done.wait()

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from phalanx.core.modes import ConsistencyMode, ModeConfig
 from phalanx.faults.plan import FaultPlan
+from phalanx.runtime.run_dir import claim_run_dir, clear_run_outputs
 from phalanx.runtime.launcher import LaunchConfig, LaunchResult, launch, python_argv, write_metrics
 from phalanx.train import sharding
 
@@ -46,6 +46,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
     if opts.resume:
         _supersede_after_checkpoint(opts.run_dir)
     else:
+        claim_run_dir(opts.run_dir)  # refuses a non-empty folder phalanx did not create
         clear_run_outputs(opts.run_dir)
     argv = python_argv("phalanx.workload.charlm_train", "--steps", str(opts.steps), "--seed", str(opts.seed),
                        "--global-batch-size", str(opts.global_batch_size), "--min-step-s", str(opts.min_step_s))
@@ -100,25 +101,6 @@ def _guarantee_held(opts: TrainOptions, launched_ok: bool, summary: dict[str, An
     return True, ""
 
 
-RUN_OUTPUTS = ("events.jsonl", "metrics.jsonl", "reference.jsonl", "metrics.superseded.jsonl", "summary.json",
-               "coordinator_floor", "report.html", "trace.json", "network.json")
-
-
-def clear_run_outputs(run_dir: Path) -> None:
-    """A fresh run in a folder that held an earlier one: remove what phalanx wrote there (and only
-    that), so logs are not appended to the old run's and old checkpoints are not restored."""
-    import shutil
-
-    if not run_dir.exists():
-        return
-    for name in RUN_OUTPUTS:
-        (run_dir / name).unlink(missing_ok=True)
-    for p in run_dir.glob("final_*.safetensors"):
-        p.unlink()
-    for sub in ("workers", "checkpoints", "plots"):
-        shutil.rmtree(run_dir / sub, ignore_errors=True)
-
-
 def _supersede_after_checkpoint(run_dir: Path) -> None:
     """Steps committed after the newest checkpoint died with every worker: they are redone on
     resume, so their records move to metrics.superseded.jsonl and the accounting counts each once."""
@@ -165,26 +147,12 @@ def _all_commits(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def samples_exactly_once(commits: list[dict[str, Any]], opts: TrainOptions) -> bool:
-    """Every step committed exactly once, each with its global batch covered exactly once inside the
-    all-reduce, so every sample of each epoch was used exactly once (per-epoch tally checked)."""
-    steps = [c["step"] for c in commits]
-    if sorted(steps) != list(range(opts.steps)) or not all(c["samples_covered_once"] for c in commits):
-        return False
+    """The exactly-once tally (train/sharding.py) over this run's commits and dataset."""
     from phalanx.workload.charlm_train import build
 
     _, data = build(seed=opts.seed, global_batch_size=opts.global_batch_size)
-    n, gbs = len(data), opts.global_batch_size
-    spe = sharding.steps_per_epoch(n, gbs)
-    for epoch in range((opts.steps + spe - 1) // spe):
-        tally: Counter[int] = Counter()
-        epoch_steps = [x for x in steps if x // spe == epoch]
-        for st in epoch_steps:
-            tally.update(int(i) for i in sharding.global_batch(st, n, gbs, opts.seed))
-        if any(v != 1 for v in tally.values()):
-            return False  # a sample used twice within one epoch
-        if len(epoch_steps) == spe and len(tally) != spe * gbs:
-            return False  # a complete epoch that missed samples
-    return True
+    return sharding.samples_exactly_once([(c["step"], c["samples_covered_once"]) for c in commits], opts.steps,
+                                         len(data), opts.global_batch_size, opts.seed)
 
 
 def false_suspicions(res: LaunchResult) -> int:

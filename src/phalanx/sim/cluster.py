@@ -12,18 +12,20 @@ live worker applied is never committed again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from phalanx.core.errors import FaultPlanError
 from phalanx.faults.plan import EMPTY_PLAN, Fault, FaultKind, FaultPlan
-from phalanx.membership.coordinator import CommitRecord, Coordinator, CoordinatorConfig
+from phalanx.faults.targets import cut_off, link_scope, partition_sides
+from phalanx.faults.timeline import FaultTimeline
+from phalanx.membership.commit_log import CommitRecord, merge_commits
+from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
 from phalanx.membership.failure_detector import DetectorConfig
 from phalanx.membership.quorum import QuorumConfig
 from phalanx.sim.host import SimHost
@@ -88,17 +90,6 @@ class SimResult:
 
 
 @dataclass
-class _FaultRecord:
-    fault: Fault
-    injected_s: float
-    at_step: int
-    targets: set[str]
-    detected_after_s: float | None = None
-    recovered_after_s: float | None = None
-    ended_after_s: float | None = None
-
-
-@dataclass
 class Cluster:
     workers: int
     steps: int
@@ -121,11 +112,8 @@ class Cluster:
     gradient_bytes: int = 0  # > 0: collectives cost as for a model with this many gradient bytes
 
     def __post_init__(self) -> None:
-        self.plan.validate_workers(self.workers)
+        self.plan.validate_workers(self.workers)  # every target index, with its line, before the run
         self.plan.require_supported("sim")
-        for f in self.plan.faults:
-            if f.kind in _LINK_KINDS:
-                self._scope(f)  # raises a FaultPlanError naming the line now, not mid-run
         if self.model_cfg.global_batch_size < self.workers:
             self.model_cfg = SimModelConfig(**{**vars(self.model_cfg), "global_batch_size": self.workers * 2,
                                                "dataset_size": max(self.model_cfg.dataset_size, self.workers * 16)})
@@ -173,14 +161,7 @@ class Cluster:
                               "a committed step was lost")
             self._committed[step] = (qid, set(members))
             self.cluster_step = max(self.cluster_step, step)
-        for r in self._records:
-            if r.fault.kind is FaultKind.JOIN:  # nothing to detect: recovered once a commit includes it
-                if r.recovered_after_s is None and kind == "step_committed" and r.targets & set(ev["members"]):
-                    r.recovered_after_s = self._loop.time() - r.injected_s
-            elif r.detected_after_s is None and kind == "worker_suspected" and ev.get("worker") in r.targets:
-                r.detected_after_s = self._loop.time() - r.injected_s
-            elif r.detected_after_s is not None and r.recovered_after_s is None and kind == "step_committed":
-                r.recovered_after_s = self._loop.time() - r.injected_s
+        self.timeline.observe(ev, self._loop.time())
 
     def on_worker_commit(self, w: SimWorker, step: int, quorum_id: int, digest: str) -> None:
         self._applied.append((round(self._loop.time(), 6), w.worker_id, step, quorum_id))
@@ -202,7 +183,7 @@ class Cluster:
         self.events: list[dict[str, Any]] = []
         self.spans: list[dict[str, Any]] = []
         self.violations: list[str] = []
-        self._records: list[_FaultRecord] = []
+        self.timeline = FaultTimeline()  # when faults fire and what they did (as on real runs)
         self._quorum_members: dict[int, tuple[str, ...]] = {}
         self._committed: dict[int, tuple[int, set[str]]] = {}
         self._step_digest: dict[int, str] = {}
@@ -346,15 +327,10 @@ class Cluster:
 
     # ---- faults ----
     async def _trigger(self, f: Fault) -> None:
-        """at_s: at that exact virtual instant. at_step = N: within 5 ms after step N-1 commits, so
-        before or early in step N (a poll every 5 ms, as the real fault injector's, so the fault
-        lands at a varying point of the step)."""
-        if f.at_s is not None:
-            await asyncio.sleep(max(0.0, f.at_s - self._loop.time()))
-            return
-        assert f.at_step is not None
-        while self.cluster_step + 1 < f.at_step:
-            await asyncio.sleep(0.005)
+        """faults/timeline.py: at_step = N within 5 ms after step N-1 commits (a poll, as on real
+        runs, so the fault lands at a varying point of the step); at_s = T at exactly T virtual
+        seconds after the first committed step."""
+        await self.timeline.wait_until_due(f, lambda: self.cluster_step + 1, self._loop.time, asyncio.sleep)
 
     async def _inject(self, f: Fault) -> None:
         await self._trigger(f)
@@ -362,17 +338,15 @@ class Cluster:
         while w is not None and f.kind is not FaultKind.JOIN and w.worker_id in self._to_join:
             await asyncio.sleep(0.01)  # the plan parser puts it after the join; keep that order here too
         now = self._loop.time()
-        targets = {w.worker_id} if w else set()
-        rec = _FaultRecord(f, now, self.cluster_step + 1, targets)
-        self._records.append(rec)
+        rec = self.timeline.record(f, self.cluster_step + 1, now)
         self.emit("fault_injected", kind=f.kind.value, worker=w.worker_id if w else None,
-                        at_step=rec.at_step, description=f.describe())
+                  at_step=rec.at_step, description=f.describe())
         k = f.kind
         if k is FaultKind.COORDINATOR_KILL:
-            rec.targets = {"coordinator"}
             await self._restart_coordinator(float(f.param("restart_after_s", 1.0)))
-            # the replacement is what notices: detection is its start, recovery its first commit
-            rec.detected_after_s = rec.ended_after_s = self._loop.time() - rec.injected_s
+            # detected when the replacement admits its first worker, recovered at its first commit
+            rec.restarted = True
+            rec.end(self._loop.time())
             return
         if k is FaultKind.JOIN:  # a brand-new process, no state: it heals from a peer, then takes part
             assert w is not None and w.agent is None
@@ -407,7 +381,9 @@ class Cluster:
             assert w is not None and f.factor
             w.straggle_factor = f.factor
         elif k is FaultKind.PARTITION:
-            rec.targets = self._partition(f)
+            sides = partition_sides(f, self.workers)
+            self.net.partition(sides, one_way=bool(f.param("one_way", False)))
+            rec.targets = cut_off(sides, self.workers)
         elif k in _LINK_KINDS:
             impairment = self._impairment(f)
             self.net.impair(impairment)
@@ -415,7 +391,7 @@ class Cluster:
             raise AssertionError(f"fault kind {k.value} reached the simulator unchecked")
         if f.for_s:
             await asyncio.sleep(f.for_s)
-            rec.ended_after_s = self._loop.time() - rec.injected_s
+            rec.end(self._loop.time())
             if k is FaultKind.STRAGGLER and w is not None:
                 w.straggle_factor = 1.0
             elif k is FaultKind.PARTITION:
@@ -423,22 +399,6 @@ class Cluster:
                 self.emit("partition_healed")
             elif k in _LINK_KINDS:
                 self.net.restore(impairment)
-
-    def _partition(self, f: Fault) -> set[str]:
-        groups = f.param("groups")
-        isolate = f.param("isolate")
-        sides: dict[str, int] = {}
-        if isolate is not None:
-            sides[f"w{int(isolate)}"] = 1
-        elif groups:
-            for side, group in enumerate(groups):
-                for i in group:
-                    sides[f"w{int(i)}"] = side  # the coordinator stays with the first group (side 0)
-        else:
-            half = self.workers // 2  # default: a minority of the workers is cut off with nobody
-            sides = {f"w{i}": 1 for i in range(half + 1, self.workers)}
-        self.net.partition(sides, one_way=bool(f.param("one_way", False)))
-        return {w for w, s in sides.items() if s != 0}
 
     def _impairment(self, f: Fault) -> Impairment:
         """The link fields a network fault overrides, on the links it names."""
@@ -456,33 +416,8 @@ class Cluster:
         else:
             changes = {"reorder_probability": float(f.param("probability", 0.0)),
                        "reorder_delay_s": float(f.param("delay_ms", 0.0)) / 1000}
-        nodes, pair = self._scope(f)
-        return Impairment(tuple(sorted(changes.items())), nodes, pair)
-
-    def _scope(self, f: Fault) -> tuple[frozenset[str], frozenset[str]]:
-        workers, pair = f.param("workers"), f.param("pair")
-
-        def bad(problem: str) -> FaultPlanError:
-            return FaultPlanError(self.plan.path, f.line, f"fault #{f.index + 1} ({f.kind.value}): {problem}")
-
-        def ids(v: Any, key: str) -> list[int]:
-            if not isinstance(v, list) or not v or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
-                raise bad(f"'{key}' must be a non-empty list of worker indices, got {v!r}")
-            for i in v:
-                if not 0 <= i < self.workers:
-                    raise bad(f"'{key}' names worker {i}, which does not exist in a run of {self.workers} workers")
-            return list(v)
-
-        if workers is not None and pair is not None:
-            raise bad("give 'workers' (their links) or 'pair' (one link), not both")
-        if pair is not None:
-            p = ids(pair, "pair")
-            if len(p) != 2 or p[0] == p[1]:
-                raise bad(f"'pair' must name two different workers, got {pair!r}")
-            return frozenset(), frozenset(f"w{i}" for i in p)
-        if workers is not None:
-            return frozenset(f"w{i}" for i in ids(workers, "workers")), frozenset()
-        return frozenset(), frozenset()
+        scope = link_scope(f)
+        return Impairment(tuple(sorted(changes.items())), frozenset(scope.workers), frozenset(scope.pair))
 
     # ---- results ----
     def _result(self, ok: bool, reason: str, virtual_s: float, wall_s: float, timer_events: int) -> SimResult:
@@ -494,10 +429,7 @@ class Cluster:
         if diff is not None and diff > 1e-9 and self.modes.mode is not ConsistencyMode.LOCAL_SGD:
             self._violate(f"final parameters differ from the single-process reference by {diff:.3e}")
         lines = [json.dumps(e, sort_keys=True, default=str) for e in self.events]
-        faults = [{"kind": r.fault.kind.value, "worker": r.fault.worker, "at_step": r.at_step,
-                   "description": r.fault.describe(), "detected_after_s": _r(r.detected_after_s),
-                   "recovered_after_s": _r(r.recovered_after_s), "ended_after_s": _r(r.ended_after_s)}
-                  for r in self._records]
+        faults = [r.to_json() for r in self.timeline.records]
         step_times = [c["step_s"] for c in commits[1:]]
         summary = {
             "ok": ok and not self.violations, "reason": reason if not self.violations else self.violations[0],
@@ -510,7 +442,9 @@ class Cluster:
             "workers_completed": sum(1 for w in self.sim_workers if w.completed),
             "workers_incomplete": {w.worker_id: w.ended or "still running" for w in self.sim_workers
                                    if not w.completed},
-            "samples_exactly_once": _exactly_once(commits, self.steps, self.model_cfg),
+            "samples_exactly_once": sharding.samples_exactly_once(
+                [(c["step"], c["samples_covered_once"]) for c in commits], self.steps, self.model_cfg.dataset_size,
+                self.model_cfg.global_batch_size, self.model_cfg.seed),
             "final_loss": commits[-1]["loss"] if commits else None, "reference_final_loss": ref_losses[-1],
             "reference_max_abs_diff": diff, "virtual_s": round(virtual_s, 6), "wall_s": round(wall_s, 3),
             "goodput_steps_per_virtual_s": round(len(commits) / virtual_s, 4) if virtual_s else None,
@@ -529,23 +463,18 @@ class Cluster:
         return self._retired + live
 
     def _merged_commits(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Every incarnation's commit records on one clock. A decision that died with its coordinator
-        before any worker applied it is redone by the next one (the checkers prove nobody applied
-        it): the redo is the record that stuck, the lost one is listed as superseded."""
-        by_step: dict[int, dict[str, Any]] = {}
-        superseded: list[dict[str, Any]] = []
+        """Every incarnation's commit records on one clock, merged as on real runs
+        (membership/commit_log.py): a decision that died with its coordinator before any worker
+        applied it is redone by the next one (the checkers prove nobody applied it); the redo is
+        the record that stuck, the lost one is listed as superseded."""
+        incarnations = []
         for t0, records, _ in self._incarnations():
-            steps = [c.step for c in records]
-            if len(steps) != len(set(steps)):
+            if len({c.step for c in records}) != len(records):
                 self._violate("a coordinator committed a step twice")
-            for c in records:
-                rec = {"step": c.step, "quorum_id": c.quorum_id, "members": list(c.members), "loss": c.loss,
-                       "step_s": c.step_s, "committed_at_s": round(t0 + c.committed_at_s, 6),
-                       "samples_covered_once": c.covered_once}
-                if c.step in by_step:
-                    superseded.append(by_step[c.step])
-                by_step[c.step] = rec
-        return [by_step[s] for s in sorted(by_step)], superseded
+            incarnations.append([dataclasses.replace(c, committed_at_s=round(t0 + c.committed_at_s, 6))
+                                 for c in records])
+        merged, superseded = merge_commits(incarnations)
+        return [_commit_json(c) for c in merged], [_commit_json(c) for c in superseded]
 
     def _check_end(self) -> None:
         times = [e["t"] for e in self.events]
@@ -553,19 +482,6 @@ class Cluster:
             self._violate("virtual time went backwards in the event trace")
 
 
-def _r(x: float | None) -> float | None:
-    return None if x is None else round(x, 6)
-
-
-def _exactly_once(commits: list[dict[str, Any]], steps: int, cfg: SimModelConfig) -> bool:
-    got = [c["step"] for c in commits]
-    if sorted(got) != list(range(steps)) or not all(c["samples_covered_once"] for c in commits):
-        return False
-    spe = sharding.steps_per_epoch(cfg.dataset_size, cfg.global_batch_size)
-    for epoch in range((steps + spe - 1) // spe):
-        tally: Counter[int] = Counter()
-        for s in (x for x in got if x // spe == epoch):
-            tally.update(int(i) for i in sharding.global_batch(s, cfg.dataset_size, cfg.global_batch_size, cfg.seed))
-        if any(v != 1 for v in tally.values()):
-            return False
-    return True
+def _commit_json(c: CommitRecord) -> dict[str, Any]:
+    return {"step": c.step, "quorum_id": c.quorum_id, "members": list(c.members), "loss": c.loss,
+            "step_s": c.step_s, "committed_at_s": c.committed_at_s, "samples_covered_once": c.covered_once}

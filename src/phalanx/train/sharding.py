@@ -65,3 +65,24 @@ def weighted_shard_bounds(global_batch_size: int, weights: list[float], rank: in
         counts[i] += 1
     assert sum(counts) == global_batch_size, "shares cover the global batch exactly"
     return sum(counts[:rank]), counts[rank]
+
+
+def samples_exactly_once(commits: "list[tuple[int, bool]]", total_steps: int, dataset_size: int,
+                         global_batch_size: int, seed: int) -> bool:
+    """The exactly-once tally, for real runs and the simulator: every step 0..total-1 committed
+    once, each with its global batch covered exactly once inside the all-reduce (``commits`` is
+    (step, covered) per commit), so every sample of each epoch was used exactly once: the
+    per-epoch tally finds no sample twice, and a complete epoch misses none."""
+    steps = [s for s, _ in commits]
+    if sorted(steps) != list(range(total_steps)) or not all(covered for _, covered in commits):
+        return False
+    spe = steps_per_epoch(dataset_size, global_batch_size)
+    for epoch in range((total_steps + spe - 1) // spe):
+        epoch_steps = [x for x in steps if x // spe == epoch]
+        used = np.concatenate([global_batch(x, dataset_size, global_batch_size, seed) for x in epoch_steps]) \
+            if epoch_steps else np.zeros(0, np.int64)
+        if len(np.unique(used)) != len(used):
+            return False  # a sample used twice within one epoch
+        if len(epoch_steps) == spe and len(used) != spe * global_batch_size:
+            return False  # a complete epoch that missed samples
+    return True

@@ -2,6 +2,13 @@
 
 A frame that fails authentication, exceeds the size bound, is garbled or speaks another protocol
 version closes that one connection with a logged reason. Nothing else changes.
+
+Before a peer has authenticated it gets very little: handshake frames are capped at
+``HANDSHAKE_MAX_FRAME_BYTES``, at most ``max_pending_handshakes`` handshakes run at once (more are
+closed at once), the handshake and the first frame after it each have a deadline, a ClientHello
+nonce seen before is refused (replay), and rejections are reported at most ``REJECT_REPORTS_PER_S``
+per second, the rest counted and reported as one line. A flood of hostile connections costs
+bounded memory and CPU and never delays an authenticated peer's heartbeats for long.
 """
 
 from __future__ import annotations
@@ -9,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +29,11 @@ from phalanx.core.messages import PROTOCOL_VERSION, ClientHello, Refused, Server
 
 log = logging.getLogger("phalanx.transport")
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+HANDSHAKE_MAX_FRAME_BYTES = 4096  # a ClientHello is ~100 bytes: nothing bigger before authentication
+MAX_PENDING_HANDSHAKES = 64
+FIRST_FRAME_TIMEOUT_S = 10.0  # an accepted session must send its first (authenticated) frame by then
+NONCES_REMEMBERED = 65_536  # ClientHello nonces kept to refuse replays
+REJECT_REPORTS_PER_S = 10
 
 
 @dataclass
@@ -45,7 +59,8 @@ def split_address(address: str) -> tuple[str, int]:
 
 class TcpConnection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
-                 is_client: bool, peer: str, max_frame_bytes: int, stats: TransportStats) -> None:
+                 is_client: bool, peer: str, max_frame_bytes: int, stats: TransportStats,
+                 first_frame_timeout_s: float | None = None) -> None:
         self._reader, self._writer, self._key = reader, writer, key
         self._send_dir, self._recv_dir = (b"C", b"S") if is_client else (b"S", b"C")
         self._send_seq = 0
@@ -55,6 +70,7 @@ class TcpConnection:
         self.stats = stats
         self._closed = False
         self.close_reason = ""
+        self._first_frame_timeout_s = first_frame_timeout_s  # server side: a replayed hello goes nowhere
 
     @property
     def is_closed(self) -> bool:
@@ -80,7 +96,13 @@ class TcpConnection:
 
     async def recv(self) -> tuple[Any, list[memoryview]]:
         try:
-            mac, body = await read_frame(self._reader, self._max)
+            if self._recv_seq == 0 and self._first_frame_timeout_s is not None:
+                mac, body = await asyncio.wait_for(read_frame(self._reader, self._max), self._first_frame_timeout_s)
+            else:
+                mac, body = await read_frame(self._reader, self._max)
+        except asyncio.TimeoutError as e:
+            self._reject(f"no frame within {self._first_frame_timeout_s:g} s of the handshake", "first_frame")
+            raise ConnectionClosed(f"{self.peer} sent nothing after its handshake") from e
         except FrameRejected as e:
             self._reject(str(e), "oversized" if "limit" in str(e) else "garbled")
             raise
@@ -146,6 +168,38 @@ class TcpTransport:
         self.handshake_timeout_s = handshake_timeout_s
         self.stats = TransportStats()
         self._on_reject = on_reject
+        self.max_pending_handshakes = MAX_PENDING_HANDSHAKES
+        self.first_frame_timeout_s = FIRST_FRAME_TIMEOUT_S
+        self._pending = 0
+        self._nonces: OrderedDict[bytes, None] = OrderedDict()
+        self._reports_window_s = 0.0
+        self._reports_in_window = 0
+        self._suppressed = 0
+
+    def _report_reject(self, peer: str, why: str) -> None:
+        """Tell the owner (an event in the run's log) about a refused peer, rate-limited: at most
+        REJECT_REPORTS_PER_S a second, then one line with how many more were refused."""
+        if self._on_reject is None:
+            return
+        now = time.monotonic()
+        if now - self._reports_window_s >= 1.0:
+            if self._suppressed:
+                self._on_reject("*", f"{self._suppressed} more connections refused in the last second "
+                                     "(reports are rate-limited)")
+            self._reports_window_s, self._reports_in_window, self._suppressed = now, 0, 0
+        if self._reports_in_window < REJECT_REPORTS_PER_S:
+            self._reports_in_window += 1
+            self._on_reject(peer, why)
+        else:
+            self._suppressed += 1
+
+    def _is_replay(self, nonce: bytes) -> bool:
+        if nonce in self._nonces:
+            return True
+        self._nonces[nonce] = None
+        if len(self._nonces) > NONCES_REMEMBERED:
+            self._nonces.popitem(last=False)
+        return False
 
     async def connect(self, address: str, timeout_s: float) -> TcpConnection:
         host, port = split_address(address)
@@ -167,7 +221,7 @@ class TcpTransport:
                                 address: str) -> TcpConnection:
         nonce = auth.new_nonce()
         await _send_handshake(writer, self._token, ClientHello(protocol_version=PROTOCOL_VERSION, nonce=nonce, client=self.name))
-        mac, body = await read_frame(reader, self.max_frame_bytes)
+        mac, body = await read_frame(reader, HANDSHAKE_MAX_FRAME_BYTES)
         if not auth.macs_equal(mac, auth.handshake_mac(self._token, body)):
             writer.close()
             raise AuthError(f"{address} failed authentication (different cluster token?)")
@@ -188,22 +242,29 @@ class TcpTransport:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peername = writer.get_extra_info("peername")
             peer = f"{peername[0]}:{peername[1]}" if peername else "?"
+            if self._pending >= self.max_pending_handshakes:
+                self.stats.note_rejected("busy")
+                self._report_reject(peer, f"{self._pending} handshakes already in progress")
+                writer.close()
+                return
             _nodelay(writer)
+            self._pending += 1
             try:
                 conn = await asyncio.wait_for(self._server_handshake(reader, writer, peer), self.handshake_timeout_s)
             except (TransportError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
                 reason = str(e) or "handshake timed out"
-                log.warning("refused connection from %s: %s", peer, reason)
+                log.debug("refused connection from %s: %s", peer, reason)
                 self.stats.note_rejected("handshake")
-                if self._on_reject:
-                    self._on_reject(peer, reason)
+                self._report_reject(peer, reason)
                 writer.close()
                 return
+            finally:
+                self._pending -= 1
             try:
                 await on_connection(conn)
             finally:
-                if conn.close_reason and conn.close_reason not in ("closed", "peer closed the connection") and self._on_reject:
-                    self._on_reject(peer, conn.close_reason)
+                if conn.close_reason and conn.close_reason not in ("closed", "peer closed the connection"):
+                    self._report_reject(peer, conn.close_reason)
                 conn.close()
 
         server = await asyncio.start_server(handle, host, port)
@@ -212,12 +273,14 @@ class TcpTransport:
 
     async def _server_handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                 peer: str) -> TcpConnection:
-        mac, body = await read_frame(reader, self.max_frame_bytes)
+        mac, body = await read_frame(reader, HANDSHAKE_MAX_FRAME_BYTES)
         if not auth.macs_equal(mac, auth.handshake_mac(self._token, body)):
             raise AuthError("handshake frame failed HMAC verification (wrong cluster token)")
         hello, _ = decode_body(memoryview(body))
         if not isinstance(hello, ClientHello):
             raise FrameRejected(f"first frame was {type(hello).__name__}, expected ClientHello")
+        if self._is_replay(bytes(hello.nonce)):
+            raise AuthError("replayed ClientHello (its nonce was used before)")
         try:
             check_version(hello.protocol_version, PROTOCOL_VERSION)
         except TransportError as e:
@@ -226,7 +289,8 @@ class TcpTransport:
         nonce = auth.new_nonce()
         await _send_handshake(writer, self._token, ServerHello(protocol_version=PROTOCOL_VERSION, nonce=nonce))
         key = auth.session_key(self._token, hello.nonce, nonce)
-        return TcpConnection(reader, writer, key, False, f"{hello.client}@{peer}", self.max_frame_bytes, self.stats)
+        return TcpConnection(reader, writer, key, False, f"{hello.client}@{peer}", self.max_frame_bytes, self.stats,
+                             self.first_frame_timeout_s)
 
 
 async def _send_handshake(writer: asyncio.StreamWriter, token: bytes, message: Any) -> None:
