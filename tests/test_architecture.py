@@ -114,6 +114,7 @@ MODULE_LINES_MAX = 420
 LONG_MODULES = {
     "sim/cluster.py": "the simulated cluster driver; its fault application and checkers are being moved out",
     "transport/faulty.py": "every network impairment of the seam in one place (latency, loss, bandwidth, partition)",
+    "runtime/netns.py": "one concern: the namespaces topology, its kernel faults and the cleanup of a dead run's",
 }
 
 

@@ -169,3 +169,23 @@ def test_partition_of_a_worker_outside_the_run_is_refused_with_its_line_and_noth
         launch(LaunchConfig(argv=[sys.executable, "-c", "pass"], workers=2, run_dir=tmp_path / "run",
                             fault_plan=plan, show_progress=False, network="namespaces"))
     _assert_torn_down(tmp_path / "run")
+
+
+@needs_netns
+def test_the_network_of_a_sigkilled_launcher_is_removed_by_the_next_run():
+    script = ("import sys, time\nfrom phalanx.runtime.netns import NamespaceNetwork\n"
+              "n = NamespaceNetwork(2)\nn.setup()\nprint(n.prefix, flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        prefix = proc.stdout.readline().strip()
+        assert prefix.startswith("phx")
+        proc.kill()  # SIGKILL: no teardown runs
+        proc.wait(10)
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert prefix in listed, "the dead launcher left its namespaces behind"
+        assert prefix in netns.cleanup_leftovers()
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        left += subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert prefix not in left, left
+    finally:
+        proc.kill()

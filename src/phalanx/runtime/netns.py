@@ -50,6 +50,9 @@ MAX_WORKERS = 250  # addresses .2 .. .251 of the run's /24
 IP_TIMEOUT_S = 10.0
 _netem: bool | None = None  # probed once per process
 log = logging.getLogger("phalanx")
+# One JSON file per live run: its launcher's pid and every name it created. A run whose launcher
+# died without tearing down (SIGKILL) is cleaned up by the next run that starts.
+STATE_DIR = Path("/run/phalanx-netns")
 
 
 class NetworkSetupError(ConfigError):
@@ -99,6 +102,42 @@ def has_netem(probe_device: str) -> bool:
     return _netem
 
 
+def cleanup_leftovers() -> list[str]:
+    """Remove the namespaces, veths and bridges of runs whose launcher is dead (killed before its
+    teardown). Only names a state file records, only for a dead pid: never another live run's,
+    never anything phalanx did not create. Returns the prefixes cleaned."""
+    cleaned = []
+    for state in sorted(STATE_DIR.glob("*.json")) if STATE_DIR.is_dir() else []:
+        try:
+            doc = json.loads(state.read_text())
+            pid, prefix = int(doc["pid"]), str(doc["prefix"])
+            links = [(str(h), str(n)) for h, n in doc.get("links", [])]
+            bridge = str(doc["bridge"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours to interpret: leave it
+        if _pid_alive(pid) or not all(x.startswith(prefix) for x in [bridge, *[n for pair in links for n in pair]]):
+            continue
+        for host_end, ns in links:
+            _run(["ip", "link", "del", host_end], check=False)
+            _run(["ip", "netns", "del", ns], check=False)
+        for k in range(0, 8):
+            _run(["ip", "link", "del", f"{prefix}b{k}"], check=False)
+        state.unlink(missing_ok=True)
+        log.warning("removed the network of a dead run (launcher pid %d): %s", pid, prefix)
+        cleaned.append(prefix)
+    return cleaned
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _used_third_octets() -> set[int]:
     out = _run(["ip", "-o", "-4", "addr", "show"]).stdout + _run(["ip", "-4", "route", "show"]).stdout
     used = set()
@@ -130,11 +169,14 @@ class NamespaceNetwork:
     # ---- lifecycle ----
     def setup(self) -> None:
         check_available()
+        cleanup_leftovers()
         self._trap_sigterm()
         try:
             self._setup_bridge()
+            self._save_state()
             for i in range(self.workers):
                 self._setup_worker(i)
+                self._save_state()
             self.netem = has_netem(self.links[0].host_end)
         except BaseException:
             self.teardown()
@@ -186,9 +228,22 @@ class NamespaceNetwork:
                 _run(argv, check=False)
             except NetworkSetupError as e:
                 log.warning("teardown: %s", e)
+        (STATE_DIR / f"{self.prefix}.json").unlink(missing_ok=True)
         if self._old_sigterm is not None:
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
+
+    def _save_state(self) -> None:
+        """Record what this run created (before and while creating it), for ``cleanup_leftovers``."""
+        try:
+            STATE_DIR.mkdir(mode=0o700, exist_ok=True)
+            tmp = STATE_DIR / f"{self.prefix}.tmp"
+            tmp.write_text(json.dumps({"pid": os.getpid(), "prefix": self.prefix, "bridge": self.bridge,
+                                       "links": [[lk.host_end, lk.netns] for lk in self.links]}))
+            os.replace(tmp, STATE_DIR / f"{self.prefix}.json")
+        except OSError as e:
+            log.warning("cannot record the run's network in %s (%s): a SIGKILLed launcher's leftovers will "
+                        "need `ip netns del` by hand", STATE_DIR, e.strerror)
 
     def _trap_sigterm(self) -> None:
         """SIGTERM would end the process without running ``finally``: turn it into KeyboardInterrupt

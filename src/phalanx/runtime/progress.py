@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections import deque
 from typing import Any
 
@@ -17,10 +16,16 @@ INTERESTING = {"worker_suspected", "step_aborted", "quorum_formed", "worker_heal
 
 
 class Progress:
-    def __init__(self, workers: int, total_steps: int | None, enabled: bool = True) -> None:
+    """Every line this prints goes through one rich console, so a live progress render and an event
+    line never share a line; once the run is over (``stop``) events go to events.jsonl only, so
+    they cannot run into what the command prints next."""
+
+    def __init__(self, workers: int, total_steps: int | None, enabled: bool = True,
+                 console: Console | None = None) -> None:
         self.total, self.workers = total_steps, workers
         self.enabled = enabled
-        self.console = Console(stderr=True)
+        self.console = console or Console(stderr=True)
+        self._stopped = False
         self._live: Live | None = None
         self._events: deque[str] = deque(maxlen=8)
         self._step, self._qid, self._members, self._loss = -1, 0, [], float("nan")
@@ -32,9 +37,13 @@ class Progress:
             self._live.start()
 
     def stop(self) -> None:
+        self._stopped = True
         if self._live is not None:
             self._live.update(self._render())
             self._live.stop()
+            self._live = None
+            if not self.console.is_terminal:
+                self.console.line()  # rich leaves a piped final render without its newline
 
     def on_event(self, ev: dict[str, Any]) -> None:
         name = ev.get("event", "")
@@ -43,8 +52,8 @@ class Progress:
         if name in INTERESTING:
             detail = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("t", "mono", "node", "event"))
             self._events.append(f"{ev['t']:7.2f}s  {name}  {detail}"[:140])
-            if self._live is None and self.enabled:
-                print(self._events[-1], file=sys.stderr)
+            if self._live is None and self.enabled and not self._stopped:
+                self.console.print(self._events[-1], markup=False, highlight=False, soft_wrap=True)
 
     def update(self, coord: Any) -> None:
         if self._live is not None:

@@ -71,7 +71,7 @@ class Supervisor:
             argv, extra = self.wrap(w.index, self.argv)
             env.update(extra)
         log = open(self.run_dir / "workers" / f"{w.worker_id}.log", "ab")
-        w.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+        w.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
                                   start_new_session=True)  # its own group: our Ctrl-C is ours to forward
         log.close()
         w.frozen, w.reported = False, False
@@ -131,3 +131,20 @@ class Supervisor:
 
     def any_running(self) -> bool:
         return any(w.alive for w in self.workers)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL this worker when the launcher dies, however it dies (a
+    SIGKILLed launcher runs no cleanup, and its workers must not live on as orphans holding ports,
+    namespaces and GPU memory). Linux only; elsewhere a no-op."""
+    import ctypes
+    import signal as _signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, _signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
