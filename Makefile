@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast sweep bench clean
+.PHONY: demo test test-fast sweep bench fuzz soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
+
+fuzz: $(STAMP)
+	PHALANX_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-20000} $(PY) -m pytest -q -ra tests/fuzz
 
 sweep: $(STAMP)
 	$(VENV)/bin/phalanx sim sweep --seeds 200 --out runs/sweep/8x40

@@ -53,7 +53,7 @@ def decode_safetensors(data: bytes, where: str) -> tuple[dict[str, torch.Tensor]
         header = json.loads(data[8 : 8 + n])
     except ValueError as e:
         raise CheckpointError(f"{where}: header is not JSON ({e})") from e
-    meta = header.pop("__metadata__", {}) or {}
+    meta = _checked_header(header, where)
     body = memoryview(data)[8 + n :]
     out, expect = {}, 0
     for name, m in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
@@ -70,6 +70,30 @@ def decode_safetensors(data: bytes, where: str) -> tuple[dict[str, torch.Tensor]
     if expect != body.nbytes:
         raise CheckpointError(f"{where}: {body.nbytes - expect} trailing bytes after the last tensor")
     return out, meta
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**62
+
+
+def _checked_header(header: Any, where: str) -> dict[str, str]:
+    """The header's shape, checked before anything is read from it (a local file is input too):
+    {"__metadata__": {str: str}, name: {"dtype": str, "shape": [int...], "data_offsets": [int, int]}}.
+    Pops and returns the metadata."""
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where}: header is a JSON {type(header).__name__}, not an object")
+    meta = header.pop("__metadata__", {}) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CheckpointError(f"{where}: __metadata__ must map strings to strings")
+    for name, m in header.items():
+        ok = (isinstance(m, dict) and isinstance(m.get("dtype"), str) and isinstance(m.get("shape"), list)
+              and all(_is_count(d) for d in m["shape"]) and len(m["shape"]) <= 64
+              and isinstance(m.get("data_offsets"), list) and len(m["data_offsets"]) == 2
+              and all(_is_count(o) for o in m["data_offsets"]) and m["data_offsets"][0] <= m["data_offsets"][1])
+        if not ok:
+            raise CheckpointError(f"{where}: tensor {name!r} needs a dtype string, a shape of non-negative integers "
+                                  f"and data_offsets [begin, end]; got {str(m)[:200]}")
+    return meta
 
 
 def _fsync_write(path: Path, parts: list[bytes | memoryview]) -> str:
@@ -128,17 +152,30 @@ def write_checkpoint(run_dir: Path, step: int, state: TrainingState, meta: dict[
 
 
 def read_checkpoint(path: str | Path) -> tuple[int, TrainingState, dict[str, Any]]:
+    """Load a checkpoint folder; every field is checked (a CheckpointError names the problem)."""
     p = Path(path)
     try:
         manifest = json.loads((p / "manifest.json").read_text())
-        data = (p / manifest["file"]).read_bytes()
+        if not isinstance(manifest, dict):
+            raise ValueError("manifest.json is not a JSON object")
+        name = manifest["file"]
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"'file' must be a plain file name inside the checkpoint, got {name!r}")
+        data = (p / name).read_bytes()
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{p}: unreadable checkpoint ({e})") from e
     if len(data) != manifest.get("bytes") or hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
         raise CheckpointError(f"{p}: state file does not match its manifest (size or SHA-256): corrupt or truncated")
-    tensors, meta = decode_safetensors(data, str(p / manifest["file"]))
-    tree = json.loads(meta["tree"])
-    return int(manifest["step"]), TrainingState(tree, [tensors[f"t{i}"] for i in range(len(tensors))]), manifest["meta"]
+    tensors, meta = decode_safetensors(data, str(p / name))
+    try:
+        tree = json.loads(meta["tree"])
+        state = TrainingState(tree, [tensors[f"t{i}"] for i in range(len(tensors))])
+        step = manifest["step"]
+        if not _is_count(step) or not isinstance(manifest.get("meta", {}), dict):
+            raise ValueError(f"step {step!r} / meta are malformed")
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{p}: checkpoint contents are malformed ({e})") from e
+    return int(step), state, manifest.get("meta", {})
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

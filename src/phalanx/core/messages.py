@@ -6,11 +6,18 @@ belongs to a quorum carries its ``quorum_id`` so that the receiver can fence sta
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
 PROTOCOL_VERSION = 1
+
+# Bounds checked when a frame is decoded, so an absurd value from a peer is a FrameRejected that
+# names the field, never an overflow or an assert further in: steps and ids stay far below 2**63.
+Count = Annotated[int, msgspec.Meta(ge=-1, le=2**62)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=8192)]
+Names = Annotated[list[Name], msgspec.Meta(max_length=65_536)]
 
 
 class _Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -19,64 +26,64 @@ class _Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
 # ---- handshake (first frame each way on every connection) ----
 class ClientHello(_Msg):
-    protocol_version: int
-    nonce: bytes
-    client: str
+    protocol_version: Count
+    nonce: Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+    client: Name
 
 
 class ServerHello(_Msg):
-    protocol_version: int
-    nonce: bytes
+    protocol_version: Count
+    nonce: Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 
 
 class Refused(_Msg):
     """Sent just before closing a connection on purpose; says why."""
 
-    reason: str
+    reason: Text
 
 
 # ---- worker -> coordinator ----
 class Hello(_Msg):
-    worker_id: str
-    incarnation: str  # unique per process start, so a restarted worker is a new incarnation
-    pid: int
-    heal_address: str
-    last_committed_step: int
-    max_quorum_id_seen: int
+    worker_id: Name
+    incarnation: Name  # unique per process start, so a restarted worker is a new incarnation
+    pid: Count
+    heal_address: Name
+    last_committed_step: Count
+    max_quorum_id_seen: Count
     has_state: bool
 
 
 class Heartbeat(_Msg):
-    seq: int
-    step: int
+    seq: Count
+    step: Count
 
 
 class QuorumRequest(_Msg):
-    step: int
-    last_committed_step: int
+    step: Count
+    last_committed_step: Count
     has_state: bool
-    total_steps: int = -1  # the loop's length (-1: unknown); lets the coordinator finish catch-ups
+    total_steps: Count = -1  # the loop's length (-1: unknown); lets the coordinator finish catch-ups
 
 
 class QuorumCancel(_Msg):
     """The worker stopped waiting for the quorum it asked for (local-sgd: a sync attempt timed out)."""
 
-    step: int
+    step: Count
 
 
 class Progress(_Msg):
     """A step-progress mark for the progress watch (e.g. phase='allreduce')."""
 
-    step: int
-    quorum_id: int
-    phase: str
+    step: Count
+    quorum_id: Count
+    phase: Name
 
 
 class AllreduceDone(_Msg):
-    step: int
-    quorum_id: int
+    step: Count
+    quorum_id: Count
     ok: bool
-    error: str = ""
+    error: Text = ""
     loss: float = 0.0
     samples_covered_once: bool = False
     compute_s: float = 0.0
@@ -84,120 +91,120 @@ class AllreduceDone(_Msg):
 
 
 class HealDone(_Msg):
-    step: int
-    quorum_id: int
-    checksum: str
-    source: str
+    step: Count
+    quorum_id: Count
+    checksum: Name
+    source: Name
 
 
 class CheckpointWritten(_Msg):
-    step: int
-    path: str
+    step: Count
+    path: Text
 
 
 class CheckpointUnusable(_Msg):
     """A worker could not restore the checkpoint it was told to: the coordinator stops offering it."""
-    path: str
-    reason: str
+    path: Text
+    reason: Text
 
 
 class Goodbye(_Msg):
     completed: bool
-    reason: str
-    final_step: int
+    reason: Text
+    final_step: Count
 
 
 # ---- coordinator -> worker ----
 class Welcome(_Msg):
-    run_id: str
-    store_address: str
+    run_id: Name
+    store_address: Name
     heartbeat_interval_s: float
     collective_timeout_s: float
-    checkpoint_every_steps: int
-    run_dir: str
-    mode: str = "strict"  # core.modes.ConsistencyMode
+    checkpoint_every_steps: Count
+    run_dir: Text
+    mode: Name = "strict"  # core.modes.ConsistencyMode
     deadline_s: float = 0.25
-    sync_every_steps: int = 10
-    max_staleness_steps: int = 30
+    sync_every_steps: Count = 10
+    max_staleness_steps: Count = 30
     sync_timeout_s: float = 1.0
     # a worker that finished holding the final state stays this long to heal a late peer
     drain_s: float = 5.0
 
 
 class QuorumAssigned(_Msg):
-    step: int
-    quorum_id: int
-    members: list[str]
-    rank: int
-    heal_from: str = ""  # worker id this member heals from before the step ("" = none)
-    heal_address: str = ""
-    heal_targets: list[str] = []  # members that will heal from this worker
+    step: Count
+    quorum_id: Count
+    members: Names
+    rank: Count
+    heal_from: Name = ""  # worker id this member heals from before the step ("" = none)
+    heal_address: Name = ""
+    heal_targets: Names = []  # members that will heal from this worker
     restore_checkpoint: str = ""  # path of a durable checkpoint to restore ("" = none)
     write_checkpoint: bool = False  # this member writes the durable checkpoint after commit
     shard_weights: list[float] = []  # available mode: each member's share of the global batch ([] = even)
-    local_step: int = -1  # local-sgd: the furthest local step among the members; all continue from it
+    local_step: Count = -1  # local-sgd: the furthest local step among the members; all continue from it
     catch_up: bool = False  # the job is over: restore or heal to the final state, nothing to compute
 
 
 class QuorumBroken(_Msg):
-    quorum_id: int
-    reason: str
+    quorum_id: Count
+    reason: Text
 
 
 class StepDecision(_Msg):
-    step: int
-    quorum_id: int
+    step: Count
+    quorum_id: Count
     commit: bool
-    reason: str
+    reason: Text
     loss: float = 0.0
 
 
 class InjectFault(_Msg):
-    kind: str
+    kind: Name
     for_s: float = 0.0
-    phase: str = ""
-    at_step: int = -1
+    phase: Name = ""
+    at_step: Count = -1
     factor: float = 1.0
     # network faults (partition, latency, loss, bandwidth), applied by the worker at its seams
-    groups: list[list[str]] = []  # partition: node names per side; unnamed nodes and the coordinator: side 0
+    groups: Annotated[list[Names], msgspec.Meta(max_length=256)] = []  # partition: node names per side; unnamed nodes and the coordinator: side 0
     one_way: bool = False  # partition: only side 0 -> other sides is cut
     mean_ms: float = 0.0
     jitter_ms: float = 0.0
-    distribution: str = "normal"  # constant | normal | pareto
+    distribution: Name = "normal"  # constant | normal | pareto
     probability: float = 0.0  # loss per message, charged as retransmission timeouts
     bytes_per_s: float = 0.0
-    peers: list[str] = []  # links to these peers only; [] = every link of this worker
+    peers: Names = []  # links to these peers only; [] = every link of this worker
 
 
 class Shutdown(_Msg):
-    reason: str
+    reason: Text
 
 
 # ---- worker -> worker (healing) ----
 class HealRequest(_Msg):
-    worker_id: str
-    quorum_id: int
-    step: int
+    worker_id: Name
+    quorum_id: Count
+    step: Count
 
 
 class HealOffer(_Msg):
     """Header of a live state transfer. The state follows as raw buffers in chunk frames."""
 
-    quorum_id: int
-    step: int
+    quorum_id: Count
+    step: Count
     state_header: bytes  # msgspec JSON from checkpoint.state_codec
-    buffer_sizes: list[int]
-    chunk_count: int
-    checksum: str
+    buffer_sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=2**62)]], msgspec.Meta(max_length=1 << 22)]
+    chunk_count: Count
+    checksum: Name
 
 
 class HealChunk(_Msg):
-    index: int
+    index: Count
 
 
 class HealAck(_Msg):
-    quorum_id: int
-    checksum: str
+    quorum_id: Count
+    checksum: Name
     ok: bool
 
 

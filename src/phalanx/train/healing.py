@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from phalanx.core.codec import MAX_BUFFERS
 from phalanx.core.errors import HealError, QuorumBroken, StaleEpoch, TransportError
 from phalanx.core.host import Connection
 from phalanx.core.messages import HealAck, HealChunk, HealDone, HealOffer, HealRequest, Refused
@@ -114,15 +115,7 @@ class Healing:
             chunk_bytes = self.cfg.heal_chunk_bytes
             from phalanx.checkpoint.state_codec import chunk_buffers
             chunks = chunk_buffers(buffers, chunk_bytes)
-            # group chunks into frames of at most chunk_bytes each
-            frames: list[list[memoryview]] = []
-            size = chunk_bytes + 1
-            for c in chunks:
-                if size + c.nbytes > chunk_bytes:
-                    frames.append([])
-                    size = 0
-                frames[-1].append(c)
-                size += c.nbytes
+            frames = frames_of(chunks, chunk_bytes, MAX_BUFFERS)
             await conn.send(HealOffer(quorum_id=a.quorum_id, step=a.step, state_header=header,
                                       buffer_sizes=[b.nbytes for b in buffers], chunk_count=len(frames),
                                       checksum=checksum))
@@ -158,3 +151,17 @@ class Healing:
                 digest.update(b)
             self._snapshot = (a.quorum_id, header, buffers, digest.hexdigest())
         return self._snapshot
+
+
+def frames_of(chunks: list[memoryview], frame_bytes: int, buffers_max: int) -> list[list[memoryview]]:
+    """Group a state's chunks into frames of at most ``frame_bytes`` bytes and ``buffers_max``
+    buffers each (the codec's limit per frame): a model of any number of tensors heals."""
+    frames: list[list[memoryview]] = []
+    size = frame_bytes + 1
+    for c in chunks:
+        if size + c.nbytes > frame_bytes or len(frames[-1]) >= buffers_max:
+            frames.append([])
+            size = 0
+        frames[-1].append(c)
+        size += c.nbytes
+    return frames
