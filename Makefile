@@ -24,6 +24,9 @@ test-fast: $(STAMP)
 fuzz: $(STAMP)
 	PHALANX_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-20000} $(PY) -m pytest -q -ra tests/fuzz
 
+soak: $(STAMP)
+	$(VENV)/bin/phalanx soak --duration-s $${SOAK_S:-1800} --quiet
+
 sweep: $(STAMP)
 	$(VENV)/bin/phalanx sim sweep --seeds 200 --out runs/sweep/8x40
 	$(VENV)/bin/phalanx sim sweep --seeds 300 --workers 4 --steps 60 --max-faults 8 --first-seed 100000 --out runs/sweep/4x60-dense

@@ -20,7 +20,30 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from phalanx.runtime.soak import run_soak
+
+    out = Path(args.out or f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")
+    res = run_soak(args.duration_s, out, seed=args.seed, show_progress=not args.quiet)
+    print(json.dumps(res, indent=2))
+    print(f"phalanx soak: {'OK' if res['ok'] else 'FAILED'}; {out / 'soak.md'}")
+    return 0 if res["ok"] else 1
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    k = sub.add_parser("soak", help="a long 4-worker job through random faults and hostile connections, then checks",
+                       description="Random faults (kill, freeze, gil_hang, hang, partition, loss, latency, "
+                                   "coordinator_kill) one at a time, hostile connections at every listening port, "
+                                   "then: every sample once, equality with the reference, no leaked process, fd or "
+                                   "temp file, memory flat after warm-up. Writes soak.json and soak.md.")
+    k.add_argument("--duration-s", type=float, default=1800.0, help="how long (default 1800)")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--out", help="run folder (default runs/soak-TIMESTAMP)")
+    k.add_argument("--quiet", action="store_true")
+    k.set_defaults(fn=_soak)
     p = sub.add_parser("report", help="write a run's report.html and trace.json, or compare two runs",
                        description="With one run folder: (re)write RUN_DIR/report.html (self-contained, opens "
                                    "offline) and RUN_DIR/trace.json (open in Perfetto). With two: write an HTML "

@@ -117,6 +117,7 @@ class WorkerMessages:
                                 now, now, hello.last_committed_step, hello.has_state)
         self.sessions.admit(session)
         self.emit("worker_joined", worker=hello.worker_id, pid=hello.pid, incarnation=hello.incarnation,
+                  heal_address=hello.heal_address,
                   last_committed_step=hello.last_committed_step)
         return session
 
