@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -98,6 +99,20 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tls_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS between machines (mutual; all three, or PHALANX_TLS_CERT/KEY/CA)")
+    g.add_argument("--tls-cert", help="this node's certificate (PEM), signed by the cluster CA")
+    g.add_argument("--tls-key", help="its private key (PEM)")
+    g.add_argument("--tls-ca", help="the cluster CA certificate (PEM) every peer's certificate must chain to")
+
+
+def _export_tls(args: argparse.Namespace) -> None:
+    """TLS flags travel as PHALANX_TLS_* to this process's transport and to every worker."""
+    for flag, name in (("tls_cert", "PHALANX_TLS_CERT"), ("tls_key", "PHALANX_TLS_KEY"), ("tls_ca", "PHALANX_TLS_CA")):
+        if getattr(args, flag, None):
+            os.environ[name] = str(Path(getattr(args, flag)).resolve())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="phalanx", description="Fault-tolerant distributed PyTorch training.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -144,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--run-dir", help="run folder (default runs/launch-TIMESTAMP)")
     la.add_argument("--checkpoint-every", type=int, default=0)
     la.add_argument("--min-workers", type=int, default=1)
+    _tls_flags(la)
     la.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS")
     la.set_defaults(fn=_launch)
 
@@ -152,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--token-file", required=True)
     c.add_argument("--workers", type=int, default=1, help="workers the first quorum waits for")
     c.add_argument("--run-dir", default="runs/coordinator")
+    _tls_flags(c)
     c.set_defaults(fn=_coordinator)
 
     tk = sub.add_parser("token", help="a fresh cluster token: --out FILE writes it mode 600 (never overwrites)")
@@ -166,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _export_tls(args)
     try:
         return int(args.fn(args) or 0)
     except PhalanxError as e:

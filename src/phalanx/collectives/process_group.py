@@ -174,8 +174,13 @@ class TorchProcessGroupFactory:
 
 def _settle(fut: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
     if fut.done():
-        if value is not None:  # an abandoned build finished late: drop it off-thread
-            threading.Thread(target=lambda: None, daemon=True).start()
+        if value is not None:
+            # An abandoned build finished late: nobody will use it. Destroying a process group can
+            # block (Gloo closes its connections), so the last reference is dropped on a thread of
+            # its own, not on the event loop that heartbeats.
+            box = [value]
+            del value
+            threading.Thread(target=box.clear, name="phalanx-drop-pg", daemon=True).start()
         return
     if error is not None:
         fut.set_exception(RuntimeError(str(error)))

@@ -35,7 +35,7 @@ from phalanx.runtime.progress import Progress
 from phalanx.runtime.run_dir import is_phalanx_run
 from phalanx.runtime.supervisor import Supervisor
 from phalanx.transport.real_host import RealHost
-from phalanx.transport.tcp import TcpTransport
+from phalanx.transport.tcp import TcpTransport, TlsFiles
 
 
 STALL_GRACE_S = 3.0
@@ -139,7 +139,8 @@ class _Run:
         # one, no file write (~0.1 ms) sits on the commit path.
         self.floor = DurableFloor(cfg.run_dir) if any(f.kind is FaultKind.COORDINATOR_KILL
                                                       for f in cfg.fault_plan.faults) else None
-        self.transport = TcpTransport(self.token, name="coordinator", on_reject=lambda peer, why: self.on_event(
+        tls = TlsFiles.from_env({**os.environ, **cfg.extra_env})  # the workers get the same environment
+        self.transport = TcpTransport(self.token, name="coordinator", tls=tls, on_reject=lambda peer, why: self.on_event(
             {"t": time.monotonic() - self.t0, "mono": time.monotonic(), "node": "coordinator",
              "event": "connection_refused", "peer": peer, "reason": why}))
         self.kernel = KernelFaults(net) if net is not None else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 from phalanx.collectives.process_group import RendezvousStore
@@ -11,7 +12,7 @@ from phalanx.core.auth import read_token_file
 from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
 from phalanx.membership.quorum import QuorumConfig
 from phalanx.transport.real_host import RealHost
-from phalanx.transport.tcp import TcpTransport, split_address
+from phalanx.transport.tcp import TcpTransport, TlsFiles, split_address
 
 
 def run_coordinator(bind: str, token_file: str, workers: int, run_dir: Path) -> int:
@@ -25,7 +26,7 @@ async def _serve(bind: str, token: bytes, workers: int, run_dir: Path) -> int:
     store = RendezvousStore(host)  # on the bind address only, not every interface
     events = open(run_dir / "events.jsonl", "a", buffering=1)
     cfg = CoordinatorConfig(quorum=QuorumConfig(expected_workers=workers), run_dir=str(run_dir))
-    coord = Coordinator(RealHost("coordinator", TcpTransport(token, name="coordinator")), cfg,
+    coord = Coordinator(RealHost("coordinator", TcpTransport(token, name="coordinator", tls=TlsFiles.from_env(dict(os.environ)))), cfg,
                         store.address, lambda ev: (events.write(json.dumps(ev) + "\n"), print(json.dumps(ev))))
     address = await coord.start(bind)
     print(f"phalanx coordinator listening on {address}", flush=True)

@@ -19,7 +19,7 @@ from phalanx.train.api import Job
 from phalanx.train.network_faults import NetworkFaults
 from phalanx.train.worker_agent import WorkerAgent, WorkerConfig
 from phalanx.transport.real_host import RealHost
-from phalanx.transport.tcp import TcpTransport
+from phalanx.transport.tcp import TcpTransport, TlsFiles
 
 
 def join(**overrides: Any) -> Job:
@@ -36,7 +36,7 @@ def join(**overrides: Any) -> Job:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="phalanx-control", daemon=True)
     thread.start()
-    transport = TcpTransport(token, name=worker_id)
+    transport = TcpTransport(token, name=worker_id, tls=TlsFiles.from_env(env))  # TLS if PHALANX_TLS_* are set
     host = RealHost(worker_id, transport)
     # network faults act at the seams: host.transport becomes a FaultyTransport, groups are wrapped
     net = NetworkFaults.install(host, coordinator, random.Random(f"net:{data_seed}:{worker_id}"))

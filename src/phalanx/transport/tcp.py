@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -48,6 +49,46 @@ class TransportStats:
 
     def note_rejected(self, kind: str) -> None:
         self.rejected[kind] = self.rejected.get(kind, 0) + 1
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Optional TLS for the control plane and heal transfers between machines (mutual: every
+    node presents a certificate signed by the cluster's CA and checks its peer's). It adds
+    confidentiality; the cluster token's HMAC on every frame still authenticates the peer."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> "TlsFiles | None":
+        names = ("PHALANX_TLS_CERT", "PHALANX_TLS_KEY", "PHALANX_TLS_CA")
+        given = [env.get(n, "") for n in names]
+        if not any(given):
+            return None
+        if not all(given):
+            missing = ", ".join(n for n, v in zip(names, given) if not v)
+            raise TransportError(f"TLS needs a certificate, its key and the CA; {missing} not set")
+        return cls(*given)
+
+    def _context(self, purpose: ssl.Purpose) -> ssl.SSLContext:
+        try:
+            ctx = ssl.create_default_context(purpose, cafile=self.ca_file)
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        except (OSError, ssl.SSLError) as e:
+            raise TransportError(f"cannot load TLS files (cert {self.cert_file}, key {self.key_file}, CA "
+                                 f"{self.ca_file}): {e}") from e
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.verify_mode = ssl.CERT_REQUIRED  # both ways: a peer without a CA-signed certificate is refused
+        ctx.check_hostname = False  # nodes are named by the cluster CA's signature, not by DNS
+        return ctx
+
+    def server_context(self) -> ssl.SSLContext:
+        return self._context(ssl.Purpose.CLIENT_AUTH)
+
+    def client_context(self) -> ssl.SSLContext:
+        return self._context(ssl.Purpose.SERVER_AUTH)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -161,13 +202,15 @@ class TcpTransport:
 
     def __init__(self, token: bytes, name: str = "node", max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                  handshake_timeout_s: float = 5.0,
-                 on_reject: Callable[[str, str], None] | None = None) -> None:
+                 on_reject: Callable[[str, str], None] | None = None, tls: TlsFiles | None = None) -> None:
         self._token = token
         self.name = name
         self.max_frame_bytes = max_frame_bytes
         self.handshake_timeout_s = handshake_timeout_s
         self.stats = TransportStats()
         self._on_reject = on_reject
+        self._server_tls = tls.server_context() if tls else None
+        self._client_tls = tls.client_context() if tls else None
         self.max_pending_handshakes = MAX_PENDING_HANDSHAKES
         self.first_frame_timeout_s = FIRST_FRAME_TIMEOUT_S
         self._pending = 0
@@ -204,8 +247,9 @@ class TcpTransport:
     async def connect(self, address: str, timeout_s: float) -> TcpConnection:
         host, port = split_address(address)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-        except (OSError, asyncio.TimeoutError) as e:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=self._client_tls),
+                                                    timeout_s)
+        except (OSError, asyncio.TimeoutError) as e:  # ssl.SSLError is an OSError
             raise TransportError(f"cannot connect to {address}: {e or 'timed out'}") from e
         _nodelay(writer)
         try:
@@ -267,7 +311,8 @@ class TcpTransport:
                     self._report_reject(peer, conn.close_reason)
                 conn.close()
 
-        server = await asyncio.start_server(handle, host, port)
+        server = await asyncio.start_server(handle, host, port, ssl=self._server_tls,
+                                            ssl_handshake_timeout=self.handshake_timeout_s if self._server_tls else None)
         bound = server.sockets[0].getsockname()
         return TcpListener(server, f"{bound[0]}:{bound[1]}")
 
