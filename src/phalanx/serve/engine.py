@@ -1,0 +1,195 @@
+"""The replica engine: continuous batching over a KV cache, one decode step at a time.
+
+Requests wait in a bounded queue; before every decode step the engine admits waiting requests
+into free cache slots (prefill) and drops finished or cancelled ones, so the running batch
+changes at every step. The model runs in a worker thread so the HTTP loop stays responsive;
+only the event loop touches the queues and the per-request state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+from phalanx.serve.errors import BadRequest, Overloaded
+from phalanx.serve.kv_decoder import KvDecoder
+from phalanx.serve.sampling import SamplingParams, sample_token
+from phalanx.serve.served_model import ServedModel
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    batch_size_max: int = 32  # cache slots: sequences decoded together in one step
+    queue_depth_max: int = 64  # waiting requests beyond the running batch; more are refused (429)
+    slowdown_factor: float = 1.0  # a straggler fault: every step takes this many times longer
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" when this is the last delta
+
+
+@dataclass
+class Generation:
+    """One request's state inside the engine (event-loop owned)."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generated: list[int]  # tokens so far, including any resumed from another replica
+    out: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+    text: str = ""  # text of the tokens generated here and not yet emitted past ``emitted``
+    emitted: int = 0
+    slot: int = -1
+    cancelled: bool = False
+    done: bool = False
+    new_tokens: int = 0
+
+
+class ReplicaEngine:
+    def __init__(self, served: ServedModel, cfg: EngineConfig = EngineConfig()) -> None:
+        self.served = served
+        self.cfg = cfg
+        self.decoder = KvDecoder(served.model, cfg.batch_size_max)
+        self.context = self.decoder.context
+        self._waiting: collections.deque[Generation] = collections.deque()
+        self._active: dict[int, Generation] = {}  # slot -> generation
+        self._free = list(range(cfg.batch_size_max - 1, -1, -1))
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self.steps = 0
+        self.tokens_generated = 0
+        self.last_progress_s = time.monotonic()  # heartbeat + progress for the router's failure detector
+
+    # --- introspection -------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._active)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    # --- requests ------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int] | None = None) -> Generation:
+        resumed = list(resumed or [])
+        if not prompt_ids:
+            raise BadRequest("prompt is empty")
+        if len(prompt_ids) + max(params.max_tokens, len(resumed)) > self.context:
+            raise BadRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"model's context of {self.context} tokens; shorten the prompt or lower max_tokens")
+        if len(self._waiting) >= self.cfg.queue_depth_max:
+            raise Overloaded(f"replica queue is full ({self.cfg.queue_depth_max} waiting); retry shortly")
+        gen = Generation(next(self._ids), list(prompt_ids), params, resumed)
+        if len(resumed) >= params.max_tokens:
+            self._finish(gen, "length")
+            return gen
+        self._waiting.append(gen)
+        self._wake.set()
+        return gen
+
+    def cancel(self, gen: Generation) -> None:
+        """The client went away: free its slot at the next step (idempotent)."""
+        gen.cancelled = True
+        self._wake.set()
+
+    # --- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            self._reap_cancelled()
+            admitted: list[Generation] = []
+            while self._waiting and self._free:
+                gen = self._waiting.popleft()
+                if gen.cancelled:
+                    self._finish(gen, "cancelled")
+                    continue
+                gen.slot = self._free.pop()
+                self._active[gen.slot] = gen
+                admitted.append(gen)
+            if not self._active:
+                self.last_progress_s = time.monotonic()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            running = [g for g in self._active.values() if g not in admitted]
+            t0 = time.monotonic()
+            new_tokens = await asyncio.to_thread(self._step, admitted, running)
+            if self.cfg.slowdown_factor > 1.0:
+                await asyncio.sleep((self.cfg.slowdown_factor - 1.0) * (time.monotonic() - t0))
+            self.steps += 1
+            self.last_progress_s = time.monotonic()
+            for gen, tok in new_tokens:
+                self._accept(gen, tok)
+
+    def _step(self, admitted: list[Generation], running: list[Generation]) -> list[tuple[Generation, int]]:
+        """Worker thread: prefill the newly admitted, one batched decode for the rest, sample."""
+        out: list[tuple[Generation, int]] = []
+        for gen in admitted:
+            logits = self.decoder.prefill(gen.slot, gen.prompt_ids + gen.generated)
+            out.append((gen, sample_token(logits, gen.params, len(gen.generated))))
+        if running:
+            slots = [g.slot for g in running]
+            last = [g.generated[-1] for g in running]
+            pos = [len(g.prompt_ids) + len(g.generated) - 1 for g in running]
+            logits = self.decoder.decode(slots, last, pos)
+            for i, gen in enumerate(running):
+                out.append((gen, sample_token(logits[i], gen.params, len(gen.generated))))
+        return out
+
+    def _accept(self, gen: Generation, tok: int) -> None:
+        if gen.done:
+            return
+        gen.generated.append(tok)
+        gen.new_tokens += 1
+        self.tokens_generated += 1
+        gen.text += self.served.vocab.decode([tok])
+        stops = gen.params.stop
+        for s in stops:
+            at = gen.text.find(s, max(0, gen.emitted - len(s) + 1))
+            if at >= 0:
+                self._emit(gen, gen.text[gen.emitted:at], "stop")
+                return
+        if len(gen.generated) >= gen.params.max_tokens:
+            self._emit(gen, gen.text[gen.emitted:], "length")
+            return
+        hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
+        upto = len(gen.text) - hold
+        if upto > gen.emitted:
+            self._emit(gen, gen.text[gen.emitted:upto], None)
+
+    def _emit(self, gen: Generation, text: str, finish: str | None) -> None:
+        ids = tuple(self.served.vocab.encode(text))
+        gen.emitted += len(text)
+        gen.out.put_nowait(Delta(text, ids, finish))
+        if finish is not None:
+            self._release(gen)
+            gen.done = True
+
+    def _finish(self, gen: Generation, reason: str) -> None:
+        gen.out.put_nowait(Delta("", (), reason))
+        gen.done = True
+        self._release(gen)
+
+    def _release(self, gen: Generation) -> None:
+        if gen.slot >= 0 and self._active.get(gen.slot) is gen:
+            del self._active[gen.slot]
+            self._free.append(gen.slot)
+        gen.slot = -1
+
+    def _reap_cancelled(self) -> None:
+        for gen in [g for g in self._active.values() if g.cancelled]:
+            self._finish(gen, "cancelled")
+        if any(g.cancelled for g in self._waiting):
+            for gen in [g for g in self._waiting if g.cancelled]:
+                self._finish(gen, "cancelled")
+            self._waiting = collections.deque(g for g in self._waiting if not g.cancelled)

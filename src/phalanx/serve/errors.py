@@ -1,0 +1,31 @@
+"""Typed serving errors; the HTTP layer maps each to one OpenAI-style error object and status."""
+
+from __future__ import annotations
+
+from phalanx.core.errors import PhalanxError
+
+
+class ServeError(PhalanxError):
+    """Root of expected serving errors."""
+
+    status = 500
+    code = "internal_error"
+    kind = "server_error"
+
+
+class BadRequest(ServeError):
+    status, code, kind = 400, "invalid_request", "invalid_request_error"
+
+
+class UnknownModel(ServeError):
+    status, code, kind = 404, "model_not_found", "invalid_request_error"
+
+
+class Overloaded(ServeError):
+    """The bounded waiting queue is full: the client should retry after a short wait (429)."""
+
+    status, code, kind = 429, "overloaded", "rate_limit_error"
+
+
+class NoCheckpoint(ServeError):
+    status, code, kind = 500, "no_checkpoint", "server_error"
