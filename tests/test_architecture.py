@@ -15,13 +15,14 @@ ALLOWED = {
     "checkpoint": {"core"},
     "obs": {"core", "faults"},
     "train": {"core", "collectives", "checkpoint", "transport", "membership"},
-    "sim": {"core", "faults", "membership", "collectives", "checkpoint", "train", "obs"},
+    "sim": {"core", "faults", "membership", "collectives", "checkpoint", "train", "obs", "serve"},
     "workload": {"core", "train"},
+    "serve": {"core", "faults", "transport", "membership", "checkpoint", "obs", "workload"},
     "runtime": {"core", "faults", "transport", "membership", "collectives", "checkpoint", "train", "obs",
                 "workload", "sim"},
     "bench": {"core", "faults", "transport", "membership", "collectives", "checkpoint", "train", "obs",
-              "workload", "runtime", "sim"},
-    "cli": {"core", "faults", "runtime", "obs", "sim", "checkpoint", "train", "workload"},
+              "workload", "runtime", "sim", "serve"},
+    "cli": {"core", "faults", "runtime", "obs", "sim", "checkpoint", "train", "workload", "serve"},
 }
 NO_TORCH = {"core", "faults", "transport", "membership"}
 

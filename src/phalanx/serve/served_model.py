@@ -68,7 +68,7 @@ def load_served_model(path: str | Path | None, device: str = "cpu") -> ServedMod
         raise CheckpointError(f"{ckpt}: vocabulary of {cfg.vocab_size} does not match the bundled corpus ({len(vocab)})")
     model = build_model(cfg)
     model.load_state_dict(sd)
-    model.eval().to(device)
+    model.train(False).to(device)  # inference mode (no dropout here anyway)
     return ServedModel(model, cfg, vocab, f"{ckpt.parent.parent.name}/{ckpt.name}")
 
 
@@ -76,4 +76,4 @@ def random_model(seed: int = 0) -> ServedModel:
     """Untrained weights (tests and benchmarks that need no training run)."""
     vocab = CharVocab.from_text(load_corpus())
     cfg = CharLMConfig(vocab_size=len(vocab), seed=seed)
-    return ServedModel(build_model(cfg).eval(), cfg, vocab, f"random-{seed}")
+    return ServedModel(build_model(cfg).train(False), cfg, vocab, f"random-{seed}")
