@@ -12,6 +12,10 @@ class ServeError(PhalanxError):
     code = "internal_error"
     kind = "server_error"
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
 
 class BadRequest(ServeError):
     status, code, kind = 400, "invalid_request", "invalid_request_error"

@@ -1,0 +1,212 @@
+"""The replica's OpenAI-compatible HTTP API (Starlette, served by uvicorn).
+
+Every request ends in exactly one response: a completion, a stream that ends with ``[DONE]``, or
+one OpenAI error object. A client that disconnects mid-stream cancels its generation, which
+frees the KV-cache slot at the next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from phalanx.serve.engine import Delta, Generation, ReplicaEngine
+from phalanx.serve.errors import BadRequest, ServeError
+from phalanx.serve.openai_request import CompletionRequest, parse_completion
+
+BODY_BYTES_MAX = 1 << 20
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DELTA_WAIT_S = 60.0  # a generation that makes no progress for this long is a broken invariant of the engine
+
+
+def error_response(status: int, message: str, kind: str, code: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def serve_error_response(e: ServeError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return error_response(e.status, str(e), e.kind, e.code, getattr(e, "param", None), headers)
+
+
+class ReplicaMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.latency = Histogram("phalanx_serve_request_latency_seconds", "request latency", ["route"],
+                                 buckets=LATENCY_BUCKETS_S, registry=r)
+        self.ttft = Histogram("phalanx_serve_time_to_first_token_seconds", "time to first token", ["route"],
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.responses = Counter("phalanx_serve_responses", "responses by status", ["status"], registry=r)
+        self.queue_depth = Gauge("phalanx_serve_queue_depth", "requests waiting for a batch slot", registry=r)
+        self.batch_size = Gauge("phalanx_serve_batch_size", "sequences in the running batch", registry=r)
+        self.tokens = Gauge("phalanx_serve_tokens_generated", "tokens generated since start", registry=r)
+
+
+async def read_json_body(request: Request, body_bytes_max: int = BODY_BYTES_MAX) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > body_bytes_max:
+        raise BodyTooLarge()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > body_bytes_max:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON ({e})") from e
+
+
+class BodyTooLarge(ServeError):
+    status, code, kind = 413, "body_too_large", "invalid_request_error"
+
+    def __init__(self) -> None:
+        super().__init__(f"request body exceeds {BODY_BYTES_MAX} bytes")
+
+
+def build_replica_app(engine: ReplicaEngine, model_name: str = "phalanx-charlm") -> Starlette:
+    metrics = ReplicaMetrics()
+    created = int(time.time())
+    version = engine.served.version
+
+    async def completions(request: Request) -> Response:
+        return await _complete(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(request, chat=True)
+
+    async def _complete(request: Request, chat: bool) -> Response:
+        t0 = time.monotonic()
+        route = "chat" if chat else "completions"
+        try:
+            body = await read_json_body(request)
+            req = parse_completion(body, chat, model_name, engine.served.vocab, engine.context)
+            gen = engine.submit(req.prompt_ids, req.params, engine.served.vocab.encode(req.resumed_text))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except ServeError as e:
+            metrics.responses.labels(str(e.status)).inc()
+            return serve_error_response(e)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if req.stream:
+            return StreamingResponse(_stream(gen, req, rid, route, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Phalanx-Model-Version": version})
+        text, finish = "", None
+        try:
+            while finish is None:
+                d = await asyncio.wait_for(gen.out.get(), DELTA_WAIT_S)
+                if not text and d.text:
+                    metrics.ttft.labels(route).observe(time.monotonic() - t0)
+                text, finish = text + d.text, d.finish_reason
+        finally:
+            engine.cancel(gen)  # no-op when finished; frees the slot if this handler was cancelled
+        metrics.latency.labels(route).observe(time.monotonic() - t0)
+        metrics.responses.labels("200").inc()
+        usage = _usage(req, gen)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                             "model": model_name, "system_fingerprint": version, "choices": [choice], "usage": usage},
+                            headers={"X-Phalanx-Model-Version": version})
+
+    async def _stream(gen: Generation, req: CompletionRequest, rid: str, route: str, t0: float) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if req.chat else "text_completion"
+        first = True
+        try:
+            while True:
+                d: Delta = await asyncio.wait_for(gen.out.get(), DELTA_WAIT_S)
+                if d.finish_reason == "cancelled":
+                    return
+                if d.text and first:
+                    metrics.ttft.labels(route).observe(time.monotonic() - t0)
+                if req.chat:
+                    delta: dict[str, Any] = {"content": d.text}
+                    if first:
+                        delta["role"] = "assistant"
+                    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": d.finish_reason}
+                else:
+                    choice = {"index": 0, "text": d.text, "finish_reason": d.finish_reason, "logprobs": None}
+                first = False
+                chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model_name,
+                                         "system_fingerprint": version, "choices": [choice],
+                                         "phalanx_token_ids": list(d.token_ids)}
+                if req.include_usage:
+                    chunk["usage"] = None
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                if d.finish_reason is not None:
+                    break
+            if req.include_usage:
+                usage_chunk = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
+                               "usage": _usage(req, gen)}
+                yield b"data: " + json.dumps(usage_chunk).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            metrics.latency.labels(route).observe(time.monotonic() - t0)
+            metrics.responses.labels("200").inc()
+        finally:
+            engine.cancel(gen)  # client gone (generator closed) or done: the slot is freed either way
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": created, "owned_by": "phalanx", "version": version}]})
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"ok": True, "version": version, "steps": engine.steps,
+                             "queue_depth": engine.queue_depth, "batch_size": engine.batch_size})
+
+    async def ready(_: Request) -> Response:
+        ok = engine.queue_depth < engine.cfg.queue_depth_max
+        return JSONResponse({"ready": ok, "queue_depth": engine.queue_depth}, status_code=200 if ok else 503)
+
+    async def metrics_route(_: Request) -> Response:
+        metrics.queue_depth.set(engine.queue_depth)
+        metrics.batch_size.set(engine.batch_size)
+        metrics.tokens.set(engine.tokens_generated)
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return error_response(404, f"no route {request.method} {request.url.path}", "invalid_request_error",
+                              "not_found")
+
+    async def bad_method(request: Request, exc: Exception) -> Response:
+        return error_response(405, f"{request.method} not allowed on {request.url.path}", "invalid_request_error",
+                              "method_not_allowed")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(engine.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    return Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+    ], exception_handlers={404: not_found, 405: bad_method}, lifespan=lifespan)
+
+
+def _usage(req: CompletionRequest, gen: Generation) -> dict[str, int]:
+    completion = gen.new_tokens
+    return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(req.prompt_ids) + completion}
