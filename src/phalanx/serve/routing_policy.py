@@ -1,0 +1,153 @@
+"""Router decisions as pure functions of (now, state, config, rng): which replica, retry, hedge, eject.
+
+No clock, socket or global randomness here: the router driver (and later the simulator) passes
+``now`` and a seeded ``random.Random``. Each decision returns a human-readable reason.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Policy(str, Enum):
+    P2C_LATENCY = "p2c-latency"  # two random candidates, fewer (outstanding + 1) x EWMA latency wins
+    P2C_QUEUE = "p2c-queue"  # two random candidates, fewer outstanding wins (what Ray Serve does)
+    ROUND_ROBIN = "round-robin"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    policy: Policy = Policy.P2C_LATENCY
+    ewma_alpha: float = 0.3
+    retry_budget_ratio: float = 0.2  # retries in flight at most this fraction of active requests (Envoy's 20 %)
+    retry_budget_min: int = 3  # ... but always allow this many
+    hedge_budget_ratio: float = 0.1  # hedges at most 10 % extra requests
+    hedge_quantile: float = 0.95
+    hedge_min_samples: int = 20
+    hedge_delay_min_s: float = 0.005
+    ejection_consecutive_failures: int = 5
+    ejection_s: float = 2.0
+    outlier_latency_ratio: float = 5.0  # EWMA this many times the median of the others: passive ejection
+    outlier_min_samples: int = 10
+
+
+@dataclass
+class ReplicaStats:
+    """The router's view of one replica (mutated by the driver, read by the decisions)."""
+
+    replica_id: str
+    healthy: bool = False  # admitted by membership (heartbeat + progress)
+    outstanding: int = 0
+    ewma_latency_s: float = 0.0
+    samples: int = 0
+    consecutive_failures: int = 0
+    ejected_until_s: float = 0.0
+
+    def observe(self, latency_s: float, alpha: float) -> None:
+        self.ewma_latency_s = latency_s if self.samples == 0 else (1 - alpha) * self.ewma_latency_s + alpha * latency_s
+        self.samples += 1
+        self.consecutive_failures = 0
+
+
+def eligible(now: float, replicas: list[ReplicaStats], exclude: frozenset[str] = frozenset()) -> list[ReplicaStats]:
+    return sorted((r for r in replicas if r.healthy and r.ejected_until_s <= now and r.replica_id not in exclude),
+                  key=lambda r: r.replica_id)
+
+
+def _cost(r: ReplicaStats, typical_s: float) -> float:
+    return (r.outstanding + 1) * (r.ewma_latency_s if r.samples else typical_s)
+
+
+def choose_replica(now: float, replicas: list[ReplicaStats], cfg: PolicyConfig, rng: random.Random, rr_index: int,
+                   exclude: frozenset[str] = frozenset()) -> tuple[ReplicaStats | None, str]:
+    cands = eligible(now, replicas, exclude)
+    if not cands:
+        return None, "no healthy replica outside " + (",".join(sorted(exclude)) or "the ejected set")
+    if cfg.policy is Policy.ROUND_ROBIN:
+        r = cands[rr_index % len(cands)]
+        return r, f"round-robin slot {rr_index % len(cands)}"
+    if len(cands) == 1:
+        return cands[0], "only candidate"
+    a, b = rng.sample(cands, 2)
+    if cfg.policy is Policy.P2C_QUEUE:
+        pick = a if (a.outstanding, a.replica_id) <= (b.outstanding, b.replica_id) else b
+        return pick, f"p2c-queue {a.replica_id}={a.outstanding} vs {b.replica_id}={b.outstanding}"
+    known = [r.ewma_latency_s for r in cands if r.samples]
+    typical = sorted(known)[len(known) // 2] if known else 0.0  # an unmeasured replica costs the median
+    ca, cb = _cost(a, typical), _cost(b, typical)
+    pick = a if (ca, a.outstanding) <= (cb, b.outstanding) else b
+    return pick, f"p2c-latency {a.replica_id}={ca:.4f} vs {b.replica_id}={cb:.4f}"
+
+
+def may_retry(active: int, retries_in_flight: int, attempt: int, cfg: PolicyConfig, attempts_max: int = 3) -> tuple[bool, str]:
+    if attempt >= attempts_max:
+        return False, f"attempt {attempt} reached the maximum of {attempts_max}"
+    budget = max(cfg.retry_budget_min, int(cfg.retry_budget_ratio * active))
+    if retries_in_flight >= budget:
+        return False, f"retry budget spent ({retries_in_flight} in flight, budget {budget})"
+    return True, f"retry {attempt} within budget {budget}"
+
+
+def backoff_s(attempt: int, rng: random.Random, base_s: float = 0.005, cap_s: float = 0.1) -> float:
+    """Full-jitter exponential backoff (small: the next try goes to a different replica)."""
+    return rng.uniform(0.0, min(cap_s, base_s * (2 ** attempt)))
+
+
+@dataclass
+class RollingLatency:
+    """The last ``window`` latencies of a request class; its quantile is the hedge delay."""
+
+    window: int = 500
+    values: deque[float] = field(default_factory=deque)
+
+    def add(self, latency_s: float) -> None:
+        self.values.append(latency_s)
+        if len(self.values) > self.window:
+            self.values.popleft()
+
+    def quantile(self, q: float) -> float | None:
+        if not self.values:
+            return None
+        s = sorted(self.values)
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def hedge_delay_s(history: RollingLatency, cfg: PolicyConfig) -> float | None:
+    """When to send a second copy of a request (None: do not hedge yet, too few samples)."""
+    if len(history.values) < cfg.hedge_min_samples:
+        return None
+    q = history.quantile(cfg.hedge_quantile)
+    return None if q is None else max(cfg.hedge_delay_min_s, q)
+
+
+def may_hedge(requests_total: int, hedges_total: int, cfg: PolicyConfig) -> tuple[bool, str]:
+    budget = cfg.hedge_budget_ratio * max(requests_total, 1)
+    if hedges_total + 1 > budget:
+        return False, f"hedge budget spent ({hedges_total} of {budget:.0f})"
+    return True, f"hedge {hedges_total + 1} within budget {budget:.0f}"
+
+
+def after_failure(now: float, r: ReplicaStats, cfg: PolicyConfig) -> tuple[bool, str]:
+    """Count a failed attempt; eject after ``ejection_consecutive_failures`` in a row (Envoy's rule)."""
+    r.consecutive_failures += 1
+    if r.consecutive_failures >= cfg.ejection_consecutive_failures:
+        r.ejected_until_s = now + cfg.ejection_s
+        r.consecutive_failures = 0
+        return True, f"{cfg.ejection_consecutive_failures} consecutive failures: ejected for {cfg.ejection_s} s"
+    return False, f"{r.consecutive_failures} consecutive failures"
+
+
+def latency_outliers(now: float, replicas: list[ReplicaStats], cfg: PolicyConfig) -> list[tuple[ReplicaStats, str]]:
+    """Passive ejection of a replica whose EWMA latency is far above the others' median (at most one at a time)."""
+    live = [r for r in eligible(now, replicas) if r.samples >= cfg.outlier_min_samples]
+    if len(live) < 3:
+        return []
+    worst = max(live, key=lambda r: (r.ewma_latency_s, r.replica_id))
+    others = sorted(r.ewma_latency_s for r in live if r is not worst)
+    median = others[len(others) // 2]
+    if median > 0 and worst.ewma_latency_s > cfg.outlier_latency_ratio * median:
+        return [(worst, f"EWMA {worst.ewma_latency_s:.3f} s > {cfg.outlier_latency_ratio}x median {median:.3f} s")]
+    return []

@@ -1,0 +1,75 @@
+"""Routing decisions, table-tested with a seeded rng and explicit time (no clock, no sockets)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from phalanx.serve.routing_policy import (Policy, PolicyConfig, ReplicaStats, RollingLatency, after_failure,
+                                          choose_replica, hedge_delay_s, latency_outliers, may_hedge, may_retry)
+
+
+def fleet(*specs: tuple[str, int, float]) -> list[ReplicaStats]:
+    out = []
+    for rid, outstanding, ewma in specs:
+        r = ReplicaStats(rid, healthy=True, outstanding=outstanding)
+        if ewma:
+            r.ewma_latency_s, r.samples = ewma, 20
+        out.append(r)
+    return out
+
+
+def test_p2c_latency_avoids_the_slow_replica_that_p2c_queue_keeps_feeding():
+    # r3 is 10x slow but has fewer outstanding requests: queue-length P2C prefers it, latency-weighted does not
+    reps = fleet(("r0", 2, 0.1), ("r1", 2, 0.1), ("r2", 2, 0.1), ("r3", 1, 1.0))
+    cfg_q, cfg_l = PolicyConfig(policy=Policy.P2C_QUEUE), PolicyConfig(policy=Policy.P2C_LATENCY)
+    rng_q, rng_l = random.Random(1), random.Random(1)
+    picks_q = [choose_replica(0.0, reps, cfg_q, rng_q, 0)[0].replica_id for _ in range(200)]
+    picks_l = [choose_replica(0.0, reps, cfg_l, rng_l, 0)[0].replica_id for _ in range(200)]
+    assert picks_q.count("r3") > 80 and picks_l.count("r3") == 0
+
+
+@pytest.mark.parametrize("healthy,ejected_until,exclude,expect", [
+    ([True, True], [0, 0], frozenset({"r0"}), "r1"),
+    ([False, True], [0, 0], frozenset(), "r1"),
+    ([True, True], [5.0, 0], frozenset(), "r1"),  # r0 ejected until t=5
+    ([True, False], [0, 0], frozenset({"r0"}), None),
+])
+def test_choice_skips_unhealthy_ejected_and_excluded(healthy, ejected_until, exclude, expect):
+    reps = fleet(("r0", 0, 0.1), ("r1", 0, 0.1))
+    for r, h, e in zip(reps, healthy, ejected_until):
+        r.healthy, r.ejected_until_s = h, e
+    picked, reason = choose_replica(1.0, reps, PolicyConfig(), random.Random(0), 0, exclude)
+    assert (picked.replica_id if picked else None) == expect and reason
+
+
+def test_round_robin_cycles_in_id_order():
+    reps = fleet(("r1", 0, 0), ("r0", 0, 0), ("r2", 0, 0))
+    cfg = PolicyConfig(policy=Policy.ROUND_ROBIN)
+    assert [choose_replica(0, reps, cfg, random.Random(0), i)[0].replica_id for i in range(4)] == ["r0", "r1", "r2", "r0"]
+
+
+@pytest.mark.parametrize("active,in_flight,attempt,ok", [
+    (10, 0, 1, True), (10, 3, 1, False), (100, 19, 1, True), (100, 20, 1, False), (100, 0, 3, False)])
+def test_retry_budget_is_a_fraction_of_active_requests_with_a_floor(active, in_flight, attempt, ok):
+    assert may_retry(active, in_flight, attempt, PolicyConfig())[0] is ok
+
+
+def test_hedging_waits_for_samples_then_fires_at_p95_under_budget():
+    h, cfg = RollingLatency(), PolicyConfig()
+    assert hedge_delay_s(h, cfg) is None
+    for i in range(100):
+        h.add(0.01 * (i + 1))
+    assert hedge_delay_s(h, cfg) == pytest.approx(0.96)
+    assert may_hedge(100, 9, cfg)[0] and not may_hedge(100, 10, cfg)[0]
+
+
+def test_consecutive_failures_eject_and_latency_outlier_is_found():
+    r = ReplicaStats("r0", healthy=True)
+    cfg = PolicyConfig()
+    assert [after_failure(1.0, r, cfg)[0] for _ in range(5)] == [False] * 4 + [True]
+    assert r.ejected_until_s == 3.0
+    reps = fleet(("a", 0, 0.1), ("b", 0, 0.12), ("c", 0, 0.09), ("d", 0, 1.0))
+    assert [x.replica_id for x, _ in latency_outliers(0, reps, cfg)] == ["d"]
+    assert latency_outliers(0, fleet(("a", 0, 0.1), ("b", 0, 0.12), ("c", 0, 0.2)), cfg) == []
