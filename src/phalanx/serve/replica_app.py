@@ -107,8 +107,17 @@ def build_replica_app(engine: ReplicaEngine, model_name: str = "phalanx-charlm")
                                      headers={"Cache-Control": "no-cache", "X-Phalanx-Model-Version": version})
         text, finish = "", None
         try:
+            waited_s = 0.0
             while finish is None:
-                d = await asyncio.wait_for(gen.out.get(), DELTA_WAIT_S)
+                try:
+                    d = await asyncio.wait_for(gen.out.get(), 0.25)
+                except asyncio.TimeoutError:
+                    waited_s += 0.25
+                    if await request.is_disconnected():  # a hedge lost or the client left: free the slot
+                        return Response(status_code=499)
+                    if waited_s > DELTA_WAIT_S:
+                        raise
+                    continue
                 if not text and d.text:
                     metrics.ttft.labels(route).observe(time.monotonic() - t0)
                 text, finish = text + d.text, d.finish_reason

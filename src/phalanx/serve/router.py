@@ -1,0 +1,489 @@
+"""The router: one OpenAI-compatible front for N replicas that survives slow, frozen and dead ones.
+
+Decisions (which replica, retry, hedge, eject) come from ``routing_policy``; membership uses the
+training failure detector's heartbeat rule on /health polls, plus a progress rule (a replica with
+a running batch whose decode step count stands still is hung). This module is the thin driver:
+HTTP in, HTTP out, and the stream resumption that makes a dead replica invisible to a streaming
+client: the router re-sends prompt + text streamed so far (same seed) to another replica and keeps
+writing the same SSE stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from phalanx.membership.failure_detector import DetectorConfig, Liveness, heartbeat_suspects
+from phalanx.serve.errors import BadRequest, Overloaded, ServeError, UnknownModel
+from phalanx.serve.replica_app import LATENCY_BUCKETS_S, error_response, read_json_body, serve_error_response
+from phalanx.serve.routing_policy import (PolicyConfig, ReplicaStats, RollingLatency, after_failure, backoff_s,
+                                          choose_replica, hedge_delay_s, latency_outliers, may_hedge, may_retry)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_name: str = "phalanx-charlm"
+    policy: PolicyConfig = PolicyConfig()
+    detector: DetectorConfig = DetectorConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
+    progress_timeout_s: float = 0.8  # a running batch whose step count stands still this long: hung
+    readmit_heartbeats: int = 3  # a returning replica must answer this many polls in a row
+    active_requests_max: int = 256  # admission control: beyond this, 429 with Retry-After
+    attempts_max: int = 4
+    stall_s: float = 1.0  # a stream that sends nothing for this long is resumed elsewhere
+    request_timeout_s: float = 60.0
+    hedging: bool = False
+
+
+@dataclass
+class ReplicaState:
+    stats: ReplicaStats
+    url: str
+    connected: bool = False
+    last_heartbeat_s: float = 0.0
+    good_polls: int = 0
+    steps: int = -1
+    steps_changed_s: float = 0.0
+    busy: bool = False
+    ever_healthy: bool = False
+
+
+class AttemptFailed(Exception):
+    """One try at one replica failed in a way that is safe to retry elsewhere (nothing sent to the client)."""
+
+
+@dataclass
+class RouterMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.latency = Histogram("phalanx_router_request_latency_seconds", "latency", ["route"],
+                                 buckets=LATENCY_BUCKETS_S, registry=r)
+        self.ttft = Histogram("phalanx_router_time_to_first_token_seconds", "TTFT", ["route"],
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.retries = Counter("phalanx_router_retries", "retries", ["replica"], registry=r)
+        self.hedges = Counter("phalanx_router_hedges", "hedged requests", registry=r)
+        self.resumptions = Counter("phalanx_router_stream_resumptions", "streams resumed on another replica",
+                                   registry=r)
+        self.ejections = Counter("phalanx_router_ejections", "replicas ejected", ["replica", "why"], registry=r)
+        self.rejected = Counter("phalanx_router_rejected", "429s from admission control", registry=r)
+        self.outstanding = Gauge("phalanx_router_outstanding", "requests in flight", ["replica"], registry=r)
+        self.healthy = Gauge("phalanx_router_replica_healthy", "1 when in rotation", ["replica"], registry=r)
+
+
+class Router:
+    def __init__(self, replica_urls: dict[str, str], cfg: RouterConfig = RouterConfig(), seed: int = 0) -> None:
+        self.cfg = cfg
+        self.replicas = {rid: ReplicaState(ReplicaStats(rid), url) for rid, url in sorted(replica_urls.items())}
+        self.rng = random.Random(seed)
+        self.rr = 0
+        self.active = 0
+        self.retries_in_flight = 0
+        self.requests_total = 0
+        self.hedges_total = 0
+        self.history = RollingLatency()
+        self.metrics = RouterMetrics()
+        self.events: list[dict[str, Any]] = []  # membership changes with reasons (bounded)
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+
+    def stats(self) -> list[ReplicaStats]:
+        return [r.stats for r in self.replicas.values()]
+
+    def _event(self, **kw: Any) -> None:
+        if len(self.events) < 10_000:
+            self.events.append({"t_s": time.monotonic(), **kw})
+
+    # --- membership ----------------------------------------------------------------------------
+    async def watch_membership(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll(r) for r in self.replicas.values()))
+            self._decide_membership(time.monotonic())
+            await asyncio.sleep(self.cfg.detector.heartbeat_interval_s)
+
+    async def _poll(self, r: ReplicaState) -> None:
+        try:
+            resp = await self.client.get(r.url + "/health", timeout=self.cfg.detector.heartbeat_timeout_s / 2)
+            h = resp.json()
+            steps, busy = int(h["steps"]), int(h["batch_size"]) > 0
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            r.good_polls = 0
+            if isinstance(e, httpx.ConnectError):
+                r.connected = False  # refused: the process is gone (a timeout only ages the heartbeat)
+            return
+        now = time.monotonic()
+        r.connected, r.last_heartbeat_s = True, now
+        r.good_polls += 1
+        if steps != r.steps or not busy:
+            r.steps, r.steps_changed_s = steps, now
+        r.busy = busy
+
+    def _decide_membership(self, now: float) -> None:
+        live = {rid: Liveness(r.connected and r.good_polls > 0, r.last_heartbeat_s) for rid, r in self.replicas.items()}
+        suspects = {s.worker_id: s.reason for s in heartbeat_suspects(now, live, self.cfg.detector)}
+        for rid, r in self.replicas.items():
+            if rid not in suspects and r.busy and now - r.steps_changed_s > self.cfg.progress_timeout_s:
+                suspects[rid] = f"no decode progress for {now - r.steps_changed_s:.2f} s with a running batch"
+            was = r.stats.healthy
+            if rid in suspects:
+                r.stats.healthy = False
+            elif r.good_polls >= (self.cfg.readmit_heartbeats if r.ever_healthy else 1):
+                r.stats.healthy = r.ever_healthy = True
+            if was != r.stats.healthy:
+                self._event(replica=rid, healthy=r.stats.healthy, reason=suspects.get(rid, "heartbeats and progress"))
+            self.metrics.healthy.labels(rid).set(1 if r.stats.healthy else 0)
+        for s, why in latency_outliers(now, self.stats(), self.cfg.policy):
+            s.ejected_until_s = now + self.cfg.policy.ejection_s
+            self.metrics.ejections.labels(s.replica_id, "latency").inc()
+            self._event(replica=s.replica_id, ejected=True, reason=why)
+
+    def _suspect_now(self, r: ReplicaState, reason: str) -> None:
+        """A request saw the replica refuse connections: out of rotation at once, not at the next poll."""
+        if r.stats.healthy:
+            r.stats.healthy = False
+            r.good_polls = 0
+            self._event(replica=r.stats.replica_id, healthy=False, reason=reason)
+
+    # --- choosing ------------------------------------------------------------------------------
+    def _choose(self, exclude: frozenset[str]) -> ReplicaState:
+        picked, _ = choose_replica(time.monotonic(), self.stats(), self.cfg.policy, self.rng, self.rr, exclude)
+        self.rr += 1
+        if picked is None:
+            picked, _ = choose_replica(time.monotonic(), self.stats(), self.cfg.policy, self.rng, self.rr)
+        if picked is None:
+            raise AttemptFailed("no healthy replica")
+        return self.replicas[picked.replica_id]
+
+    def _failed(self, r: ReplicaState, e: BaseException) -> None:
+        if isinstance(e, httpx.ConnectError):
+            self._suspect_now(r, f"connection refused ({e})")
+        ejected, why = after_failure(time.monotonic(), r.stats, self.cfg.policy)
+        if ejected:
+            self.metrics.ejections.labels(r.stats.replica_id, "failures").inc()
+            self._event(replica=r.stats.replica_id, ejected=True, reason=why)
+
+    # --- unary ---------------------------------------------------------------------------------
+    async def _attempt(self, r: ReplicaState, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        r.stats.outstanding += 1
+        t0 = time.monotonic()
+        try:
+            resp = await self.client.post(r.url + path, json=body, timeout=httpx.Timeout(
+                self.cfg.request_timeout_s, connect=0.5))
+            payload = resp.json()
+        except (httpx.HTTPError, ValueError) as e:
+            self._failed(r, e)
+            raise AttemptFailed(f"{r.stats.replica_id}: {type(e).__name__}: {e}") from e
+        finally:
+            r.stats.outstanding -= 1
+        if resp.status_code >= 500 or resp.status_code == 429 or not isinstance(payload, dict):
+            self._failed(r, RuntimeError(str(resp.status_code)))
+            raise AttemptFailed(f"{r.stats.replica_id}: HTTP {resp.status_code}")
+        if resp.status_code == 200:
+            r.stats.observe(time.monotonic() - t0, self.cfg.policy.ewma_alpha)
+        return resp.status_code, payload
+
+    async def unary(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        tried: set[str] = set()
+        last = "no attempt"
+        for attempt in range(self.cfg.attempts_max):
+            if attempt:
+                ok, why = may_retry(self.active, self.retries_in_flight, attempt, self.cfg.policy, self.cfg.attempts_max)
+                if not ok:
+                    break
+                await asyncio.sleep(backoff_s(attempt, self.rng))
+            try:
+                r = self._choose(frozenset(tried))
+            except AttemptFailed as e:
+                last = str(e)
+                await asyncio.sleep(0.05)
+                continue
+            tried.add(r.stats.replica_id)
+            if attempt:
+                self.retries_in_flight += 1
+                self.metrics.retries.labels(r.stats.replica_id).inc()
+            try:
+                return await self._hedged(r, path, body, tried)
+            except AttemptFailed as e:
+                last = str(e)
+            finally:
+                if attempt:
+                    self.retries_in_flight -= 1
+        return 503, {"error": {"message": f"no replica could serve the request ({last})", "type": "server_error",
+                               "param": None, "code": "replicas_unavailable"}}
+
+    async def _hedged(self, r: ReplicaState, path: str, body: dict[str, Any], tried: set[str]) -> tuple[int, Any]:
+        primary = asyncio.ensure_future(self._attempt(r, path, body))
+        tasks = {primary}
+        delay = hedge_delay_s(self.history, self.cfg.policy) if self.cfg.hedging else None
+        try:
+            if delay is not None:
+                done, _ = await asyncio.wait(tasks, timeout=delay)
+                if not done and may_hedge(self.requests_total, self.hedges_total, self.cfg.policy)[0]:
+                    with contextlib.suppress(AttemptFailed):
+                        other = self._choose(frozenset(tried))
+                        if other is not r:
+                            tried.add(other.stats.replica_id)
+                            self.hedges_total += 1
+                            self.metrics.hedges.inc()
+                            tasks.add(asyncio.ensure_future(self._attempt(other, path, body)))
+            error: BaseException | None = None
+            while tasks:
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t.exception() is None:
+                        return t.result()  # the first answer wins; the loser is cancelled below
+                    error = t.exception()
+            assert error is not None
+            raise error
+        finally:
+            for t in tasks:
+                t.cancel()  # closes the loser's connection; its replica cancels the generation
+
+    # --- streaming -----------------------------------------------------------------------------
+    async def open_stream(self, path: str, body: dict[str, Any], exclude: frozenset[str]
+                          ) -> tuple[ReplicaState, httpx.Response]:
+        r = self._choose(exclude)
+        r.stats.outstanding += 1
+        try:
+            req = self.client.build_request("POST", r.url + path, json=body, timeout=httpx.Timeout(
+                self.cfg.request_timeout_s, connect=0.5, read=self.cfg.stall_s * 2))
+            resp = await asyncio.wait_for(self.client.send(req, stream=True), self.cfg.stall_s * 2)
+        except (httpx.HTTPError, asyncio.TimeoutError) as e:
+            r.stats.outstanding -= 1
+            self._failed(r, e)
+            raise AttemptFailed(f"{r.stats.replica_id}: {type(e).__name__}") from e
+        return r, resp
+
+    async def stream(self, path: str, body: dict[str, Any], first: tuple[ReplicaState, httpx.Response],
+                     chat: bool, t0: float) -> AsyncIterator[bytes]:
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        text = ""
+        sent_any = False
+        current: tuple[ReplicaState, httpx.Response] | None = first
+        tried = {first[0].stats.replica_id}
+        finished = False
+        base = 0  # characters streamed before the current replica took over
+        try:
+            for attempt in range(self.cfg.attempts_max + 2):
+                if current is None:
+                    try:
+                        resumed = dict(body, phalanx_resume_text=text)
+                        base = len(text)
+                        current = await self.open_stream(path, resumed, frozenset(tried))
+                    except AttemptFailed:
+                        await asyncio.sleep(backoff_s(attempt, self.rng) + 0.05)
+                        tried.clear()
+                        continue
+                    tried.add(current[0].stats.replica_id)
+                    self.metrics.resumptions.inc()
+                r, resp = current
+                try:
+                    if resp.status_code != 200:
+                        raise AttemptFailed(f"HTTP {resp.status_code}")
+                    async for chunk in self._relay(r, resp):
+                        if chunk is None:
+                            finished = True
+                            break
+                        out = self._rewrite(chunk, rid, created, sent_any, base)
+                        for c in chunk.get("choices") or []:
+                            text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+                        if not sent_any:
+                            self.metrics.ttft.labels(path).observe(time.monotonic() - t0)
+                        sent_any = True
+                        yield b"data: " + json.dumps(out).encode() + b"\n\n"
+                except (AttemptFailed, httpx.HTTPError, ValueError) as e:
+                    self._failed(r, e)
+                finally:
+                    r.stats.outstanding -= 1
+                    await resp.aclose()
+                    current = None
+                if finished:
+                    break
+            if finished:
+                yield b"data: [DONE]\n\n"
+                self.metrics.latency.labels(path).observe(time.monotonic() - t0)
+                self.history.add(time.monotonic() - t0)
+            else:
+                err = {"error": {"message": "stream could not be completed on any replica", "type": "server_error",
+                                 "param": None, "code": "replicas_unavailable"}}
+                yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        finally:
+            if current is not None:
+                current[0].stats.outstanding -= 1
+                await current[1].aclose()
+
+    async def _relay(self, r: ReplicaState, resp: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
+        """Chunks from one replica; raises AttemptFailed when it stalls or is voted out mid-stream."""
+        lines = resp.aiter_lines()
+        pending: asyncio.Future[str] | None = None
+        stalled_since = time.monotonic()
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(lines.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=0.05)
+                if not done:
+                    if not r.stats.healthy or time.monotonic() - stalled_since > self.cfg.stall_s:
+                        raise AttemptFailed(f"{r.stats.replica_id} stalled or left rotation mid-stream")
+                    continue
+                try:
+                    line = pending.result()
+                except StopAsyncIteration:
+                    raise AttemptFailed(f"{r.stats.replica_id} closed the stream early") from None
+                pending = None
+                stalled_since = time.monotonic()
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    yield None
+                    return
+                chunk = json.loads(data)
+                if not isinstance(chunk, dict) or "error" in chunk:
+                    raise AttemptFailed(f"{r.stats.replica_id} sent an error or garbage mid-stream")
+                yield chunk
+        finally:
+            if pending is not None:
+                pending.cancel()
+
+    def _rewrite(self, chunk: dict[str, Any], rid: str, created: int, sent_any: bool, resumed_chars: int) -> dict[str, Any]:
+        out = dict(chunk, id=rid, created=created, model=self.cfg.model_name)
+        out.pop("phalanx_token_ids", None)
+        if sent_any:
+            for c in out.get("choices") or []:
+                if isinstance(c.get("delta"), dict):
+                    c["delta"].pop("role", None)
+        if isinstance(out.get("usage"), dict) and resumed_chars:
+            u = dict(out["usage"])
+            u["completion_tokens"] = u.get("completion_tokens", 0) + resumed_chars
+            u["total_tokens"] = u.get("prompt_tokens", 0) + u["completion_tokens"]
+            out["usage"] = u
+        return out
+
+
+
+def build_router_app(router: Router) -> Starlette:
+    cfg = router.cfg
+
+    async def completions(request: Request) -> Response:
+        return await _complete(request, "/v1/completions", chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(request, "/v1/chat/completions", chat=True)
+
+    async def _complete(request: Request, path: str, chat: bool) -> Response:
+        t0 = time.monotonic()
+        try:
+            body = await read_json_body(request)
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            if body.get("model") != cfg.model_name:
+                if not isinstance(body.get("model"), str):
+                    raise BadRequest("'model' is required and must be a string", param="model")
+                raise UnknownModel(f"model '{body['model']}' does not exist; this server serves '{cfg.model_name}'")
+            if router.active >= cfg.active_requests_max:
+                router.metrics.rejected.inc()
+                raise Overloaded(f"{router.active} requests in flight (limit {cfg.active_requests_max}); retry shortly")
+        except ServeError as e:
+            return serve_error_response(e)
+        if body.get("seed") is None:
+            body["seed"] = router.rng.randrange(2**31)  # fixed here so a retry or a resumption samples alike
+        router.active += 1
+        router.requests_total += 1
+        if body.get("stream") is True:
+            return await _stream(path, body, chat, t0)
+        try:
+            status, payload = await router.unary(path, body)
+        finally:
+            router.active -= 1
+        if status == 200:
+            router.metrics.latency.labels(path).observe(time.monotonic() - t0)
+            router.history.add(time.monotonic() - t0)
+        return JSONResponse(payload, status_code=status)
+
+    async def _stream(path: str, body: dict[str, Any], chat: bool, t0: float) -> Response:
+        first = None
+        for attempt in range(cfg.attempts_max):
+            try:
+                first = await router.open_stream(path, body, frozenset())
+            except AttemptFailed:
+                await asyncio.sleep(backoff_s(attempt, router.rng) + 0.02)
+                continue
+            if first[1].status_code == 200:
+                break
+            status, r = first[1].status_code, first[0]
+            raw = await first[1].aread()
+            await first[1].aclose()
+            r.stats.outstanding -= 1
+            first = None
+            if 400 <= status < 500 and status != 429:  # the request itself is wrong: answer, do not retry
+                router.active -= 1
+                try:
+                    return JSONResponse(json.loads(raw), status_code=status)
+                except ValueError:
+                    return error_response(status, "replica rejected the request", "invalid_request_error", "rejected")
+        if first is None:
+            router.active -= 1
+            return error_response(503, "no replica could serve the request", "server_error", "replicas_unavailable")
+
+        async def body_iter() -> AsyncIterator[bytes]:
+            try:
+                async for b in router.stream(path, body, first, chat, t0):
+                    yield b
+            finally:
+                router.active -= 1
+
+        return StreamingResponse(body_iter(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "phalanx"}]})
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"ok": True, "replicas": {rid: {"healthy": r.stats.healthy, "outstanding": r.stats.outstanding,
+                                                            "ewma_latency_s": round(r.stats.ewma_latency_s, 6)}
+                                                      for rid, r in router.replicas.items()}})
+
+    async def ready(_: Request) -> Response:
+        ok = any(r.stats.healthy for r in router.replicas.values())
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    async def metrics_route(_: Request) -> Response:
+        for rid, r in router.replicas.items():
+            router.metrics.outstanding.labels(rid).set(r.stats.outstanding)
+        return Response(generate_latest(router.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return error_response(404, f"no route {request.method} {request.url.path}", "invalid_request_error", "not_found")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(router.watch_membership())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await router.client.aclose()
+
+    return Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+    ], exception_handlers={404: not_found}, lifespan=lifespan)
