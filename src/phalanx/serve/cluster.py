@@ -15,7 +15,8 @@ import uvicorn
 
 from phalanx.serve.errors import ServeError
 from phalanx.serve.replica_main import READY_LINE
-from phalanx.serve.router import Router, RouterConfig, build_router_app
+from phalanx.serve.router import Router, RouterConfig
+from phalanx.serve.router_app import build_router_app
 
 
 class ReplicaStartFailed(ServeError):

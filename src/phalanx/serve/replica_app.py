@@ -78,33 +78,36 @@ class BodyTooLarge(ServeError):
         super().__init__(f"request body exceeds {BODY_BYTES_MAX} bytes")
 
 
-def build_replica_app(engine: ReplicaEngine, model_name: str = "phalanx-charlm") -> Starlette:
-    metrics = ReplicaMetrics()
-    created = int(time.time())
-    version = engine.served.version
+class ReplicaHttp:
+    def __init__(self, engine: ReplicaEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = ReplicaMetrics()
+        self.created = int(time.time())
+        self.version = engine.served.version
 
-    async def completions(request: Request) -> Response:
-        return await _complete(request, chat=False)
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
 
-    async def chat_completions(request: Request) -> Response:
-        return await _complete(request, chat=True)
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
 
-    async def _complete(request: Request, chat: bool) -> Response:
+    async def _complete(self, request: Request, chat: bool) -> Response:
         t0 = time.monotonic()
         route = "chat" if chat else "completions"
         try:
             body = await read_json_body(request)
-            req = parse_completion(body, chat, model_name, engine.served.vocab, engine.context)
-            gen = engine.submit(req.prompt_ids, req.params, engine.served.vocab.encode(req.resumed_text))
+            req = parse_completion(body, chat, self.model_name, self.engine.served.vocab, self.engine.context)
+            gen = self.engine.submit(req.prompt_ids, req.params, self.engine.served.vocab.encode(req.resumed_text))
         except ClientDisconnect:
             return Response(status_code=499)
         except ServeError as e:
-            metrics.responses.labels(str(e.status)).inc()
+            self.metrics.responses.labels(str(e.status)).inc()
             return serve_error_response(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if req.stream:
-            return StreamingResponse(_stream(gen, req, rid, route, t0), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Phalanx-Model-Version": version})
+            return StreamingResponse(self._stream(gen, req, rid, route, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Phalanx-Model-Version": self.version})
         text, finish = "", None
         try:
             waited_s = 0.0
@@ -119,23 +122,23 @@ def build_replica_app(engine: ReplicaEngine, model_name: str = "phalanx-charlm")
                         raise
                     continue
                 if not text and d.text:
-                    metrics.ttft.labels(route).observe(time.monotonic() - t0)
+                    self.metrics.ttft.labels(route).observe(time.monotonic() - t0)
                 text, finish = text + d.text, d.finish_reason
         finally:
-            engine.cancel(gen)  # no-op when finished; frees the slot if this handler was cancelled
-        metrics.latency.labels(route).observe(time.monotonic() - t0)
-        metrics.responses.labels("200").inc()
+            self.engine.cancel(gen)  # no-op when finished; frees the slot if this handler was cancelled
+        self.metrics.latency.labels(route).observe(time.monotonic() - t0)
+        self.metrics.responses.labels("200").inc()
         usage = _usage(req, gen)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                             "model": model_name, "system_fingerprint": version, "choices": [choice], "usage": usage},
-                            headers={"X-Phalanx-Model-Version": version})
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": self.created,
+                             "model": self.model_name, "system_fingerprint": self.version, "choices": [choice], "usage": usage},
+                            headers={"X-Phalanx-Model-Version": self.version})
 
-    async def _stream(gen: Generation, req: CompletionRequest, rid: str, route: str, t0: float) -> AsyncIterator[bytes]:
+    async def _stream(self, gen: Generation, req: CompletionRequest, rid: str, route: str, t0: float) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if req.chat else "text_completion"
         first = True
         try:
@@ -144,7 +147,7 @@ def build_replica_app(engine: ReplicaEngine, model_name: str = "phalanx-charlm")
                 if d.finish_reason == "cancelled":
                     return
                 if d.text and first:
-                    metrics.ttft.labels(route).observe(time.monotonic() - t0)
+                    self.metrics.ttft.labels(route).observe(time.monotonic() - t0)
                 if req.chat:
                     delta: dict[str, Any] = {"content": d.text}
                     if first:
@@ -153,8 +156,8 @@ def build_replica_app(engine: ReplicaEngine, model_name: str = "phalanx-charlm")
                 else:
                     choice = {"index": 0, "text": d.text, "finish_reason": d.finish_reason, "logprobs": None}
                 first = False
-                chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model_name,
-                                         "system_fingerprint": version, "choices": [choice],
+                chunk: dict[str, Any] = {"id": rid, "object": obj, "created": self.created, "model": self.model_name,
+                                         "system_fingerprint": self.version, "choices": [choice],
                                          "phalanx_token_ids": list(d.token_ids)}
                 if req.include_usage:
                     chunk["usage"] = None
@@ -162,58 +165,61 @@ def build_replica_app(engine: ReplicaEngine, model_name: str = "phalanx-charlm")
                 if d.finish_reason is not None:
                     break
             if req.include_usage:
-                usage_chunk = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
+                usage_chunk = {"id": rid, "object": obj, "created": self.created, "model": self.model_name, "choices": [],
                                "usage": _usage(req, gen)}
                 yield b"data: " + json.dumps(usage_chunk).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
-            metrics.latency.labels(route).observe(time.monotonic() - t0)
-            metrics.responses.labels("200").inc()
+            self.metrics.latency.labels(route).observe(time.monotonic() - t0)
+            self.metrics.responses.labels("200").inc()
         finally:
-            engine.cancel(gen)  # client gone (generator closed) or done: the slot is freed either way
+            self.engine.cancel(gen)  # client gone (generator closed) or done: the slot is freed either way
 
-    async def models(_: Request) -> Response:
+    async def models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": created, "owned_by": "phalanx", "version": version}]})
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "phalanx", "version": self.version}]})
 
-    async def health(_: Request) -> Response:
-        return JSONResponse({"ok": True, "version": version, "steps": engine.steps,
-                             "queue_depth": engine.queue_depth, "batch_size": engine.batch_size})
+    async def health(self, _: Request) -> Response:
+        return JSONResponse({"ok": True, "version": self.version, "steps": self.engine.steps,
+                             "queue_depth": self.engine.queue_depth, "batch_size": self.engine.batch_size})
 
-    async def ready(_: Request) -> Response:
-        ok = engine.queue_depth < engine.cfg.queue_depth_max
-        return JSONResponse({"ready": ok, "queue_depth": engine.queue_depth}, status_code=200 if ok else 503)
+    async def ready(self, _: Request) -> Response:
+        ok = self.engine.queue_depth < self.engine.cfg.queue_depth_max
+        return JSONResponse({"ready": ok, "queue_depth": self.engine.queue_depth}, status_code=200 if ok else 503)
 
-    async def metrics_route(_: Request) -> Response:
-        metrics.queue_depth.set(engine.queue_depth)
-        metrics.batch_size.set(engine.batch_size)
-        metrics.tokens.set(engine.tokens_generated)
-        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+    async def metrics_route(self, _: Request) -> Response:
+        self.metrics.queue_depth.set(self.engine.queue_depth)
+        self.metrics.batch_size.set(self.engine.batch_size)
+        self.metrics.tokens.set(self.engine.tokens_generated)
+        return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
 
-    async def not_found(request: Request, exc: Exception) -> Response:
+    async def not_found(self, request: Request, exc: Exception) -> Response:
         return error_response(404, f"no route {request.method} {request.url.path}", "invalid_request_error",
                               "not_found")
 
-    async def bad_method(request: Request, exc: Exception) -> Response:
+    async def bad_method(self, request: Request, exc: Exception) -> Response:
         return error_response(405, f"{request.method} not allowed on {request.url.path}", "invalid_request_error",
                               "method_not_allowed")
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        task = asyncio.create_task(engine.run())
+    async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.engine.run())
         try:
             yield
         finally:
             task.cancel()
 
-    return Starlette(routes=[
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics_route, methods=["GET"]),
-    ], exception_handlers={404: not_found, 405: bad_method}, lifespan=lifespan)
 
+
+def build_replica_app(engine: ReplicaEngine, model_name: str = "phalanx-charlm") -> Starlette:
+    h = ReplicaHttp(engine, model_name)
+    return Starlette(routes=[
+        Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/chat/completions", h.chat_completions, methods=["POST"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/health", h.health, methods=["GET"]),
+        Route("/ready", h.ready, methods=["GET"]),
+        Route("/metrics", h.metrics_route, methods=["GET"]),
+    ], exception_handlers={404: h.not_found, 405: h.bad_method}, lifespan=h.lifespan)
 
 def _usage(req: CompletionRequest, gen: Generation) -> dict[str, int]:
     completion = gen.new_tokens

@@ -21,15 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phalanx.membership.failure_detector import DetectorConfig, Liveness, heartbeat_suspects
-from phalanx.serve.errors import BadRequest, Overloaded, ServeError, UnknownModel
-from phalanx.serve.replica_app import LATENCY_BUCKETS_S, error_response, read_json_body, serve_error_response
+from phalanx.serve.replica_app import LATENCY_BUCKETS_S
 from phalanx.serve.routing_policy import (PolicyConfig, ReplicaStats, RollingLatency, after_failure, backoff_s,
                                           choose_replica, hedge_delay_s, latency_outliers, may_hedge, may_retry)
 
@@ -373,117 +368,3 @@ class Router:
             u["total_tokens"] = u.get("prompt_tokens", 0) + u["completion_tokens"]
             out["usage"] = u
         return out
-
-
-
-def build_router_app(router: Router) -> Starlette:
-    cfg = router.cfg
-
-    async def completions(request: Request) -> Response:
-        return await _complete(request, "/v1/completions", chat=False)
-
-    async def chat_completions(request: Request) -> Response:
-        return await _complete(request, "/v1/chat/completions", chat=True)
-
-    async def _complete(request: Request, path: str, chat: bool) -> Response:
-        t0 = time.monotonic()
-        try:
-            body = await read_json_body(request)
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
-            if body.get("model") != cfg.model_name:
-                if not isinstance(body.get("model"), str):
-                    raise BadRequest("'model' is required and must be a string", param="model")
-                raise UnknownModel(f"model '{body['model']}' does not exist; this server serves '{cfg.model_name}'")
-            if router.active >= cfg.active_requests_max:
-                router.metrics.rejected.inc()
-                raise Overloaded(f"{router.active} requests in flight (limit {cfg.active_requests_max}); retry shortly")
-        except ServeError as e:
-            return serve_error_response(e)
-        if body.get("seed") is None:
-            body["seed"] = router.rng.randrange(2**31)  # fixed here so a retry or a resumption samples alike
-        router.active += 1
-        router.requests_total += 1
-        if body.get("stream") is True:
-            return await _stream(path, body, chat, t0)
-        try:
-            status, payload = await router.unary(path, body)
-        finally:
-            router.active -= 1
-        if status == 200:
-            router.metrics.latency.labels(path).observe(time.monotonic() - t0)
-            router.history.add(time.monotonic() - t0)
-        return JSONResponse(payload, status_code=status)
-
-    async def _stream(path: str, body: dict[str, Any], chat: bool, t0: float) -> Response:
-        first = None
-        for attempt in range(cfg.attempts_max):
-            try:
-                first = await router.open_stream(path, body, frozenset())
-            except AttemptFailed:
-                await asyncio.sleep(backoff_s(attempt, router.rng) + 0.02)
-                continue
-            if first[1].status_code == 200:
-                break
-            status, r = first[1].status_code, first[0]
-            raw = await first[1].aread()
-            await first[1].aclose()
-            r.stats.outstanding -= 1
-            first = None
-            if 400 <= status < 500 and status != 429:  # the request itself is wrong: answer, do not retry
-                router.active -= 1
-                try:
-                    return JSONResponse(json.loads(raw), status_code=status)
-                except ValueError:
-                    return error_response(status, "replica rejected the request", "invalid_request_error", "rejected")
-        if first is None:
-            router.active -= 1
-            return error_response(503, "no replica could serve the request", "server_error", "replicas_unavailable")
-
-        async def body_iter() -> AsyncIterator[bytes]:
-            try:
-                async for b in router.stream(path, body, first, chat, t0):
-                    yield b
-            finally:
-                router.active -= 1
-
-        return StreamingResponse(body_iter(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def models(_: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "phalanx"}]})
-
-    async def health(_: Request) -> Response:
-        return JSONResponse({"ok": True, "replicas": {rid: {"healthy": r.stats.healthy, "outstanding": r.stats.outstanding,
-                                                            "ewma_latency_s": round(r.stats.ewma_latency_s, 6)}
-                                                      for rid, r in router.replicas.items()}})
-
-    async def ready(_: Request) -> Response:
-        ok = any(r.stats.healthy for r in router.replicas.values())
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
-
-    async def metrics_route(_: Request) -> Response:
-        for rid, r in router.replicas.items():
-            router.metrics.outstanding.labels(rid).set(r.stats.outstanding)
-        return Response(generate_latest(router.metrics.registry), media_type="text/plain; version=0.0.4")
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        return error_response(404, f"no route {request.method} {request.url.path}", "invalid_request_error", "not_found")
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        task = asyncio.create_task(router.watch_membership())
-        try:
-            yield
-        finally:
-            task.cancel()
-            await router.client.aclose()
-
-    return Starlette(routes=[
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics_route, methods=["GET"]),
-    ], exception_handlers={404: not_found}, lifespan=lifespan)

@@ -12,7 +12,8 @@ import sys
 import uvicorn
 
 from phalanx.serve.cluster import bind_loopback, router_config
-from phalanx.serve.router import Router, build_router_app
+from phalanx.serve.router import Router
+from phalanx.serve.router_app import build_router_app
 
 READY_LINE = "PHALANX_ROUTER_READY"
 
