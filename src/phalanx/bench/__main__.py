@@ -14,6 +14,8 @@ def main() -> int:
         from phalanx.bench.sim_events import main as run  # type: ignore[no-redef]
     elif which == "fidelity":
         from phalanx.bench.fidelity import main as run  # type: ignore[no-redef]
+    elif which == "serving":
+        from phalanx.bench.serving import main as run  # type: ignore[no-redef]
     else:
         print("usage: python -m phalanx.bench training|sim|fidelity [options]", file=sys.stderr)
         return 2
