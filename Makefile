@@ -31,6 +31,8 @@ sweep: $(STAMP)
 	$(VENV)/bin/phalanx sim sweep --seeds 200 --out runs/sweep/8x40
 	$(VENV)/bin/phalanx sim sweep --seeds 300 --workers 4 --steps 60 --max-faults 8 --first-seed 100000 --out runs/sweep/4x60-dense
 	$(VENV)/bin/phalanx sim sweep --seeds 200 --workers 2 --steps 40 --first-seed 80000 --out runs/sweep/2x40
+	$(VENV)/bin/phalanx sim sweep --seeds 100 --workers 4 --steps 40 --mode local-sgd --first-seed 500 --out runs/sweep/local-sgd
+	$(VENV)/bin/phalanx sim sweep --seeds 100 --workers 4 --steps 40 --checkpoint-every 5 --first-seed 700 --out runs/sweep/checkpoints
 
 bench: $(STAMP)
 	$(PY) -m phalanx.bench training

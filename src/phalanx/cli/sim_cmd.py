@@ -36,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     sw.add_argument("--steps", type=int, default=40)
     sw.add_argument("--max-faults", type=int, default=4, help="each schedule draws 1..N faults (default 4)")
     sw.add_argument("--out", default="runs/sweep")
+    sw.add_argument("--mode", default="strict", choices=["strict", "available", "local-sgd"],
+                    help="consistency mode of every seed (default strict)")
+    sw.add_argument("--checkpoint-every", type=int, default=0,
+                    help="durable (in-memory) checkpoints every K steps (default 0: only the last step)")
     sw.set_defaults(fn=_sweep)
 
 
@@ -99,7 +103,8 @@ def _print_summary(s: dict, out: Path) -> None:  # type: ignore[type-arg]
 def _sweep(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from phalanx.sim.sweep import replay_command, sweep
+    from phalanx.core.modes import ModeConfig
+    from phalanx.sim.sweep import SweepShape, replay_command, sweep
 
     failed = []
     with Progress(transient=True) as prog:
@@ -113,7 +118,8 @@ def _sweep(args: argparse.Namespace) -> int:
                                    f"{replay_command(o, args.workers, args.steps)}")
 
         outcomes = sweep(range(args.first_seed, args.first_seed + args.seeds), args.workers, args.steps,
-                         Path(args.out), on_seed, max_faults=args.max_faults)
+                         Path(args.out), on_seed, max_faults=args.max_faults,
+                         shape=SweepShape(ModeConfig(mode=ModeConfig.parse(args.mode)), args.checkpoint_every))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "sweep.json").write_text(json.dumps(
         [{"seed": o.seed, "ok": o.ok, "reason": o.reason, "faults": o.faults, "shrunk": o.shrunk,

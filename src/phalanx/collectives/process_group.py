@@ -206,14 +206,24 @@ class RendezvousStore:
         import torch.distributed as dist
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self._sock.listen(512)
-        self.host, self.port = host, self._sock.getsockname()[1]
-        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
-                                   master_listen_fd=self._sock.fileno())
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+            sock.listen(512)
+            self.host, self.port = host, sock.getsockname()[1]
+        except OSError:
+            sock.close()
+            raise
+        # torch owns the descriptor from here on (it closes it when the store goes): detach it, so
+        # Python never closes that number again (it may belong to someone else by then)
+        self.store: Any = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                        master_listen_fd=sock.detach())
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        """Stop listening: torch's store server, and the descriptor it owns, end with the store."""
+        self.store = None

@@ -224,6 +224,9 @@ class _Run:
             await self.holder.current.stop(reason)
         if self.net is not None:
             self.net.teardown()
+        if getattr(self, "_store", None) is not None:
+            self._store.close()  # the rendezvous store's server and socket end with the run
+            self._store = None
         for c in self.holder.superseded() if self.holder is not None else []:
             self.on_event({"t": time.monotonic() - self.t0, "node": "launcher", "event": "commit_superseded",
                            "step": c.step, "quorum_id": c.quorum_id, "reason": "recorded by a coordinator that "

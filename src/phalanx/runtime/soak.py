@@ -136,16 +136,41 @@ def _run_processes(run_dir: Path) -> list[int]:
     return pids
 
 
-def _open_sockets_and_pipes() -> int:
-    """This process's open sockets and pipes: what a leaked connection or process would hold (a
-    font a report's plot loaded once is not a leak)."""
-    n = 0
+def _sockets_and_pipes() -> dict[str, str]:
+    """This process's open sockets and pipes, fd -> what it is: what a leaked connection or
+    process would hold (a font a report's plot loaded once is not a leak)."""
+    out = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith(("socket:", "pipe:"))
+            link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-    return n
+        if link.startswith(("socket:", "pipe:")):
+            out[fd] = link + _socket_detail(link)
+    return out
+
+
+def _socket_detail(link: str) -> str:
+    """' tcp 127.0.0.1:PORT->...' for a socket inode, so a leak report says what it is."""
+    if not link.startswith("socket:"):
+        return ""
+    inode = link[8:-1]
+    for name in ("tcp", "tcp6", "unix", "udp"):
+        try:
+            for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+                cols = line.split()
+                if name == "unix" and len(cols) > 6 and cols[6] == inode:
+                    return f" unix {cols[-1] if len(cols) > 7 else ''}"
+                if name != "unix" and len(cols) > 9 and cols[9] == inode:
+                    lport, rport = int(cols[1].split(":")[1], 16), int(cols[2].split(":")[1], 16)
+                    return f" {name} :{lport}->:{rport} state {cols[3]}"
+        except OSError:
+            continue
+    return ""
+
+
+def _open_sockets_and_pipes() -> int:
+    return len(_sockets_and_pipes())
 
 
 def _flat(series: list[int]) -> float | None:
@@ -164,6 +189,7 @@ def run_soak(duration_s: float, run_dir: Path, seed: int = 0, workers: int = 4,
 
     RendezvousStore("127.0.0.1")  # torch's one-time globals (a libuv pipe pair) before counting fds
     fds_before = _open_sockets_and_pipes()
+    open_before = _sockets_and_pipes()
     tmp_before = set(os.listdir(tempfile.gettempdir()))
     prober = Prober(run_dir)
     samples: dict[str, list[int]] = {}
@@ -193,6 +219,9 @@ def run_soak(duration_s: float, run_dir: Path, seed: int = 0, workers: int = 4,
         for t in threads:
             t.join(10)
     time.sleep(0.5)
+    import gc
+
+    gc.collect()  # a reference cycle is not a leak: count what outlives a collection
     leaked = _run_processes(run_dir)
     new_tmp = sorted(n for n in set(os.listdir(tempfile.gettempdir())) - tmp_before
                      if n.startswith(("phx", "phalanx", "tmp")))
@@ -209,6 +238,7 @@ def run_soak(duration_s: float, run_dir: Path, seed: int = 0, workers: int = 4,
         "reference_max_abs_diff": summary.get("reference_max_abs_diff"),
         "leaked_processes": leaked, "sockets_and_pipes_before": fds_before,
         "sockets_and_pipes_after": _open_sockets_and_pipes(),
+        "sockets_and_pipes_new": {fd: link for fd, link in _sockets_and_pipes().items() if open_before.get(fd) != link},
         "new_temp_files": new_tmp, "rss_growth": measured,
         "rss_launcher_kib": [samples.get("launcher", [0])[0], samples.get("launcher", [0])[-1]],
     }

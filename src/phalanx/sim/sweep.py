@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from phalanx.core.modes import ModeConfig
 from phalanx.faults.plan import parse_fault_plan
 from phalanx.sim.cluster import Cluster, SimResult
 from phalanx.sim.scenario import faults_toml as schedule_toml  # one writer of the plan format
@@ -83,9 +84,19 @@ class SeedOutcome:
     expected_stop: bool = False  # ok because it stopped as it should (see expected_stop())
 
 
-def run_schedule(seed: int, workers: int, steps: int, faults: list[dict[str, object]]) -> SimResult:
+@dataclass(frozen=True)
+class SweepShape:
+    """What every seed of a sweep runs besides its schedule: the mode and durable checkpoints."""
+
+    modes: ModeConfig = ModeConfig()
+    checkpoint_every_steps: int = 0
+
+
+def run_schedule(seed: int, workers: int, steps: int, faults: list[dict[str, object]],
+                 shape: SweepShape = SweepShape()) -> SimResult:
     plan = parse_fault_plan(schedule_toml(faults), f"<sweep seed {seed}>")
-    return Cluster(workers=workers, steps=steps, seed=seed, plan=plan, max_virtual_s=steps * 5.0 + 300).run()
+    return Cluster(workers=workers, steps=steps, seed=seed, plan=plan, max_virtual_s=steps * 5.0 + 300,
+                   modes=shape.modes, checkpoint_every_steps=shape.checkpoint_every_steps).run()
 
 
 def expected_stop(res: SimResult) -> bool:
@@ -97,9 +108,10 @@ def expected_stop(res: SimResult) -> bool:
 
 
 def shrink(seed: int, workers: int, steps: int, faults: list[dict[str, object]],
-           still_fails: Callable[[list[dict[str, object]]], bool] | None = None) -> list[dict[str, object]]:
+           still_fails: Callable[[list[dict[str, object]]], bool] | None = None,
+           shape: SweepShape = SweepShape()) -> list[dict[str, object]]:
     """Greedy delta debugging: drop one fault at a time while the run still fails."""
-    fails = still_fails or (lambda fs: not run_schedule(seed, workers, steps, fs).ok)
+    fails = still_fails or (lambda fs: not run_schedule(seed, workers, steps, fs, shape).ok)
     current = list(faults)
     changed = True
     while changed and len(current) > 1:
@@ -113,11 +125,12 @@ def shrink(seed: int, workers: int, steps: int, faults: list[dict[str, object]],
 
 
 def sweep(seeds: range, workers: int, steps: int, out_dir: Path,
-          on_seed: Callable[[SeedOutcome], None] | None = None, max_faults: int = 4) -> list[SeedOutcome]:
+          on_seed: Callable[[SeedOutcome], None] | None = None, max_faults: int = 4,
+          shape: SweepShape = SweepShape()) -> list[SeedOutcome]:
     outcomes = []
     for seed in seeds:
         faults = random_schedule(seed, workers, steps, max_faults)
-        res = run_schedule(seed, workers, steps, faults)
+        res = run_schedule(seed, workers, steps, faults, shape)
         stopped = expected_stop(res)
         o = SeedOutcome(seed, res.ok or stopped, res.reason, faults, res, expected_stop=stopped)
         if stopped:
@@ -125,7 +138,7 @@ def sweep(seeds: range, workers: int, steps: int, out_dir: Path,
             o.reason = (f"expected stop: at t={lost['t']}s every process holding step {lost['step']} had been killed, "
                         "and without a checkpoint nobody can go on (safety invariants held)")
         if not o.ok:
-            o.shrunk = shrink(seed, workers, steps, faults)
+            o.shrunk = shrink(seed, workers, steps, faults, shape=shape)
             out_dir.mkdir(parents=True, exist_ok=True)
             path = out_dir / f"seed-{seed}.toml"
             path.write_text(f"# sweep seed {seed}: {res.reason}\n" + schedule_toml(o.shrunk))

@@ -302,6 +302,9 @@ class TcpTransport:
                 self._report_reject(peer, reason)
                 writer.close()
                 return
+            except BaseException:
+                writer.close()  # cancelled mid-handshake (the listener's loop is ending): never leave it open
+                raise
             finally:
                 self._pending -= 1
             try:
