@@ -85,7 +85,6 @@ class LauncherFaults:
         coord = self.holder.current
         single = f.worker if f.worker is not None else (int(targets[0][1:]) if len(targets) == 1 else None)
         rec = self.timeline.record(f, coord.cluster_step + 1, time.monotonic(), tuple(targets), single)
-        rec.targets = tuple(targets)  # a coordinator kill has no worker targets
         coord.emit("fault_injected", kind=f.kind.value, worker=f"w{single}" if single is not None else None,
                    at_step=rec.at_step, description=f.describe(), targets=targets, where="launcher")
         return rec
