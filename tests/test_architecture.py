@@ -22,7 +22,9 @@ ALLOWED = {
                 "workload", "sim"},
     "bench": {"core", "faults", "transport", "membership", "collectives", "checkpoint", "train", "obs",
               "workload", "runtime", "sim", "serve"},
-    "cli": {"core", "faults", "runtime", "obs", "sim", "checkpoint", "train", "workload", "serve"},
+    "lab": {"core", "faults", "transport", "membership", "collectives", "checkpoint", "train", "obs", "workload",
+            "runtime", "sim", "serve", "bench"},
+    "cli": {"core", "faults", "runtime", "obs", "sim", "checkpoint", "train", "workload", "serve", "lab"},
 }
 NO_TORCH = {"core", "faults", "transport", "membership"}
 

@@ -174,9 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     tk = sub.add_parser("token", help="a fresh cluster token: --out FILE writes it mode 600 (never overwrites)")
     tk.add_argument("--out", help="create this file (mode 600, O_EXCL|O_NOFOLLOW) instead of printing")
     tk.set_defaults(fn=_token)
-    from phalanx.cli import extra, serve_cmd, sim_cmd
+    from phalanx.cli import extra, lab_cmd, serve_cmd, sim_cmd
 
     sim_cmd.register(sub)
+    lab_cmd.register(sub)
     extra.register(sub)
     serve_cmd.register(sub)
     return p
