@@ -78,8 +78,8 @@ def run(ctx: LabContext) -> Outcome:
             for lat in LATENCIES_MS}
     para = (f"One worker steps in {g['single_worker_step_s']:.3f} s. At {big} workers the efficiency was "
             + ", ".join(f"{eff[(lat, big)]:.0%} at {lat:g} ms" for lat in LATENCIES_MS)
-            + f": a ring all-reduce pays the link latency 2(N-1) times per step, so at 20 ms the network, not the "
-              f"compute, sets the pace. Perfect overlap of compute and communication could at best reach "
+            + ": a ring all-reduce pays the link latency 2(N-1) times per step, so at 20 ms the network, not the "
+              "compute, sets the pace. Perfect overlap of compute and communication could at best reach "
             + f"{next(c['overlap_bound'] for c in cells if c['latency_ms'] == 20.0 and c['workers'] == big):.0%} there "
               "(a bound computed from the measured step, not a run: phalanx's step protocol starts the all-reduce "
               "after the backward pass).")

@@ -35,6 +35,12 @@ def run_one(exp: Experiment, req: LabRequest, out_dir: Path, say: Callable[[str]
     return outcome
 
 
+def could_not_run(exp: Experiment, e: Exception) -> Outcome:
+    why = f"{type(e).__name__}: {e}"
+    return Outcome(exp.name, exp.summary, "did not run", ["error"], [[why]], f"The experiment could not run: {why}",
+                   "the experiment ran", False, {"error": why})
+
+
 def run_named(name: str, req: LabRequest, say: Callable[[str], None]) -> tuple[Outcome, Path]:
     exp = find(name)
     out_dir = req.out or default_dir(name)
@@ -48,7 +54,11 @@ def run_all(req: LabRequest, say: Callable[[str], None],
     for exp in EXPERIMENTS:
         say(f"[{exp.name}]")
         out_dir = parent / exp.name
-        o = run_one(exp, req, out_dir, say)
+        try:
+            o = run_one(exp, req, out_dir, say)
+        except Exception as e:  # one broken experiment is reported; the others still run
+            o = could_not_run(exp, e)
+            write_outcome(o, out_dir)
         on_done(o, out_dir)
         done.append((o, out_dir))
     return done

@@ -1,0 +1,110 @@
+"""``serving-tail``: one slow replica, routing policies side by side.
+
+Built from the serving benchmark's own pieces (bench/serving.py: its replica set with one replica
+10x slow, its router process per policy, its service-time probe; serve/loadtest.py: Poisson load
+and percentiles): real replica processes on loopback, the same load for every policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from phalanx.bench import serving as bench
+from phalanx.core.auth import generate_token, write_token_file
+from phalanx.lab.context import LabContext
+from phalanx.lab.outcome import Outcome, new_figure, png
+from phalanx.serve.cluster import spawn_replicas, stop_replicas
+from phalanx.serve.loadtest import LoadSpec, run_load, summarize
+
+QUESTION = ("One replica of five is 10x slower. What does each routing policy do to the latency tail: does the "
+            "slow replica set everyone's p99, or does the router route around it?")
+SLOW_REPLICA = 3
+MAX_TOKENS = 16
+TOKEN_ENV = "PHALANX_TOKEN_FILE"
+
+
+def _cases(quick: bool) -> list[tuple[str, str, bool]]:
+    keep = ("healthy", "round-robin", "p2c-latency") if quick else tuple(c[0] for c in bench.CASES)
+    return [c for c in bench.CASES if c[0] in keep]
+
+
+def run(ctx: LabContext) -> Outcome:
+    """Replicas, routers and the load client read the cluster token from PHALANX_TOKEN_FILE: a
+    fresh one in this experiment's folder, set for the experiment only."""
+    token_file = ctx.out_dir / "token"
+    if not token_file.exists():
+        write_token_file(token_file, generate_token())
+    old = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = str(token_file.resolve())
+    try:
+        return _run(ctx)
+    finally:
+        if old is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = old
+
+
+def _run(ctx: LabContext) -> Outcome:
+    duration_s = 5.0 if ctx.quick else 20.0
+    ctx.say("starting 5 replica processes (r3 10x slow) ...")
+    reps = spawn_replicas(5, ["--random-weights", "0", "--batch-size-max", "1", "--queue-depth-max", "10000"],
+                          {SLOW_REPLICA: ["--slowdown-factor", "10"]})
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        urls = {r.replica_id: r.url for r in reps}
+        service_s = bench._service_time_s(urls["r0"], MAX_TOKENS, n=8 if ctx.quick else 20)
+        rate = 0.6 * min(4, os.cpu_count() or 1) / service_s
+        for name, policy, hedging in _cases(ctx.quick):
+            # healthy: the four fast replicas; the others: three fast ones and the slow one
+            chosen = {k: v for k, v in urls.items() if k != (f"r{SLOW_REPLICA}" if name == "healthy" else "r4")}
+            ctx.say(f"{name}: {rate:.1f} req/s for {duration_s:g} s ...")
+            proc, url = bench._router(chosen, policy, hedging)
+            try:
+                spec = LoadSpec(url=url, duration_s=duration_s, rate_per_s=rate, max_tokens=MAX_TOKENS, timeout_s=60)
+                results[name] = summarize(spec, asyncio.run(run_load(spec)))
+            finally:
+                proc.kill()
+                proc.wait(10)
+    finally:
+        stop_replicas(reps)
+    return _outcome(results, service_s, rate, duration_s)
+
+
+def _outcome(results: dict[str, dict[str, Any]], service_s: float, rate: float, duration_s: float) -> Outcome:
+    base = results["healthy"]["latency_s"]["p99"] or 1e-9
+    rows = [[name, r["ok"], r["errors"], r["latency_s"]["p50"], r["latency_s"]["p99"],
+             round((r["latency_s"]["p99"] or 0) / base, 2)] for name, r in results.items()]
+    rr, p2c = results.get("round-robin"), results.get("p2c-latency")
+    held = bool(rr and p2c and rr["latency_s"]["p99"] > base and p2c["latency_s"]["p99"] < rr["latency_s"]["p99"])
+    para = (f"Service time {service_s * 1000:.0f} ms per request, load {rate:.1f} req/s for {duration_s:g} s per "
+            f"policy. All-healthy p99 {base:.3f} s. " + "; ".join(
+                f"{n}: p99 {r['latency_s']['p99']:.3f} s ({(r['latency_s']['p99'] or 0) / base:.1f}x healthy), "
+                f"{r['errors']} errors" for n, r in results.items() if n != "healthy")
+            + ". Round-robin sends every fifth request to the slow replica, so its tail is the slow replica's; a "
+              "policy that measures latency routes around it.")
+    return Outcome("serving-tail", QUESTION,
+                   f"Real: 5 replica processes on loopback (one request at a time each; r{SLOW_REPLICA} 10x slow), one "
+                   "router process per policy in front of 4 of them (healthy: the 4 fast; others: 3 fast + the slow "
+                   f"one), Poisson load at 60% of measured capacity, {MAX_TOKENS} tokens per request.",
+                   ["policy", "ok", "errors", "p50 (s)", "p99 (s)", "p99 / healthy"], rows, para,
+                   "round-robin's p99 is above healthy and p2c-latency's is below round-robin's", held,
+                   {"service_time_s": service_s, "rate_per_s": rate, "results": results},
+                   {"p99.png": _plot(results)})
+
+
+def _plot(results: dict[str, dict[str, Any]]) -> bytes:
+    fig, ax = new_figure(6.5, 3.4)
+    names = list(results)
+    p50 = [results[n]["latency_s"]["p50"] or 0 for n in names]
+    p99 = [results[n]["latency_s"]["p99"] or 0 for n in names]
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], p50, width=0.4, label="p50")
+    ax.bar([x + 0.2 for x in xs], p99, width=0.4, label="p99")
+    ax.set_xticks(list(xs), names, rotation=15, fontsize=8)
+    ax.set_ylabel("latency (s)")
+    ax.set_title("one replica 10x slow: latency by routing policy")
+    ax.legend()
+    return png(fig)
