@@ -1,0 +1,40 @@
+"""The network fallacies and the homogeneous one, in the simulator: mechanism off vs on, measured."""
+
+from tests.lab.helpers import run_quick
+
+
+def test_partition_without_deadlines_commits_nothing_while_deadlines_keep_the_majority_going(tmp_path):
+    o = run_quick("fallacy-reliable-network", tmp_path)
+    on, off = o.data["deadlines ON"], o.data["deadlines OFF"]
+    assert on["commits_during_partition"] > 0 and on["detected_after_s"] is not None
+    assert off["commits_during_partition"] == 0 and off["detected_after_s"] is None
+    assert off["longest_stall_s"] > 10 * on["longest_stall_s"]
+
+
+def test_timeout_sized_for_a_local_link_suspects_healthy_workers_on_a_slow_link(tmp_path):
+    o = run_quick("fallacy-zero-latency", tmp_path)
+    assert o.data["20 ms link, margin OFF"]["false_suspicions"] > 0
+    assert o.data["20 ms link, margin ON"]["false_suspicions"] == 0
+    assert o.data["0.2 ms link, margin OFF"]["false_suspicions"] == 0
+
+
+def test_tree_allreduce_of_large_gradients_is_slower_than_the_ring(tmp_path):
+    o = run_quick("fallacy-infinite-bandwidth", tmp_path)
+    ring, tree = o.data["ring all-reduce"], o.data["tree all-reduce OFF"]
+    assert ring["ok"] and tree["ok"]
+    assert tree["median_step_s"] > 2 * ring["median_step_s"]
+    assert tree["allreduce_model_s"] > ring["allreduce_model_s"]
+
+
+def test_syncing_every_step_moves_more_bytes_and_takes_longer(tmp_path):
+    o = run_quick("fallacy-zero-transport-cost", tmp_path)
+    local, strict = o.data["local-sgd, merge every 10"], o.data["strict, all-reduce every step OFF"]
+    assert strict["gigabytes_reduced"] > 3 * local["gigabytes_reduced"] > 0
+    assert strict["virtual_s"] > local["virtual_s"]
+
+
+def test_equal_shares_let_a_slow_worker_set_the_pace(tmp_path):
+    o = run_quick("fallacy-homogeneous-network", tmp_path)
+    adaptive, equal = o.data["speed-sized shares"], o.data["equal shares OFF"]
+    assert adaptive["ok"] and equal["ok"]
+    assert equal["median_step_s"] > 1.3 * adaptive["median_step_s"]
