@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def _lab(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from phalanx.lab.outcome import print_outcome
     from phalanx.lab.registry import EXPERIMENTS
@@ -37,7 +38,7 @@ def _lab(args: argparse.Namespace) -> int:
                      out=Path(args.out) if args.out else None)
 
     def say(msg: str) -> None:
-        console.print(f"[dim]{msg}[/dim]")
+        console.print(f"[dim]{escape(msg)}[/dim]")
 
     if args.name != "all":
         with console.status(f"phalanx lab {args.name} ..."):

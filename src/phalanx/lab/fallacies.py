@@ -2,10 +2,8 @@
 transport cost), one experiment each: the failure with phalanx's mechanism switched off (lab
 switches only), and the same run with it on. The rest are in fallacies_cluster.py.
 
-Most run in the simulator, which runs phalanx's own coordinator and worker code and has the knob
-each one needs (link latency, collective algorithm, gradient size). ``fixed_topology`` needs the
-launcher's ``min_workers`` and runs on real processes; ``secure_network`` and
-``one_administrator`` are sandboxes built from the real transport and run-folder functions.
+These run in the simulator, which runs phalanx's own coordinator and worker code and has the knob
+each one needs (link latency, collective algorithm, gradient size) at sizes a laptop cannot run.
 """
 
 from __future__ import annotations
@@ -163,8 +161,8 @@ def zero_transport_cost(ctx: LabContext) -> Outcome:
     para = (f"Every transfer costs time: an all-reduce of {gbytes / 1e6:.0f} MB every step moved "
             f"{st['gigabytes_reduced']} GB through {st['collectives']} collectives and took {st['virtual_s']:.2f} s "
             f"for {steps} steps; merging every 10 steps (local-sgd) moved {ls['gigabytes_reduced']} GB and took "
-            f"{ls['virtual_s']:.2f} s, at the price of a different model (final loss {ls['final_loss']} vs "
-            f"{st['final_loss']}).")
+            f"{ls['virtual_s']:.2f} s, at the price of a different model (final loss {ls['final_loss']:.4f} vs "
+            f"{st['final_loss']:.4f}).")
     return Outcome("fallacy-zero-transport-cost", "Transport cost is zero? What does synchronising every step cost?",
                    f"{workers} simulated workers, {steps} steps, all-reduces charged as {gbytes / 1e6:.0f} MB; "
                    "OFF = strict mode's all-reduce every step instead of local-sgd's merge every 10 local steps.",

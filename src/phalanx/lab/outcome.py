@@ -99,6 +99,7 @@ def _html(o: Outcome) -> str:
 
 def print_outcome(o: Outcome, out_dir: Path | None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     c = Console()
@@ -106,10 +107,10 @@ def print_outcome(o: Outcome, out_dir: Path | None) -> None:
     for col in o.columns:
         t.add_column(col)
     for r in o.rows:
-        t.add_row(*[fmt(v) for v in r])
+        t.add_row(*[escape(fmt(v)) for v in r])
     c.print(t)
-    c.print(o.paragraph, soft_wrap=False)
+    c.print(o.paragraph, markup=False, highlight=False)
     mark = "[green]held[/green]" if o.claim_held else "[red]DID NOT HOLD[/red]"
-    c.print(f"claim {mark}: {o.claim}")
+    c.print(f"claim {mark}: {escape(o.claim)}")
     if out_dir is not None:
-        c.print(f"report: {out_dir / 'report.html'}  ({o.wall_s:.1f} s)")
+        c.print(f"report: {escape(str(out_dir / 'report.html'))}  ({o.wall_s:.1f} s)")
