@@ -6,6 +6,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from phalanx.lab.outcome import Outcome
+    from phalanx.lab.registry import Experiment
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -50,20 +57,20 @@ def _lab(args: argparse.Namespace) -> int:
     return 0 if all(o.claim_held for o, _ in done) else 1
 
 
-def _list(console: object, experiments: object) -> None:
+def _list(console: Console, experiments: tuple[Experiment, ...]) -> None:
     from rich.table import Table
 
     t = Table(title="phalanx lab: `phalanx lab NAME [--sim] [--quick]`, or `phalanx lab all --quick`")
     t.add_column("experiment")
     t.add_column("what it shows")
     t.add_column("default")
-    for e in experiments:  # type: ignore[attr-defined]
+    for e in experiments:
         t.add_row(e.name, e.summary, e.where or ("simulator" if e.sim_by_default else
                                                  "real processes" + (" (--quick: simulator)" if e.quick_sim else "")))
-    console.print(t)  # type: ignore[attr-defined]
+    console.print(t)
 
 
-def _print_all(console: object, done: list) -> None:  # type: ignore[type-arg]
+def _print_all(console: Console, done: list[tuple[Outcome, Path]]) -> None:
     from rich.table import Table
 
     t = Table(title="phalanx lab all")
@@ -71,7 +78,7 @@ def _print_all(console: object, done: list) -> None:  # type: ignore[type-arg]
         t.add_column(c)
     for o, d in done:
         t.add_row(o.name, "held" if o.claim_held else "DID NOT HOLD", f"{o.wall_s:.1f}", str(d / "report.html"))
-    console.print(t)  # type: ignore[attr-defined]
+    console.print(t)
     total = sum(o.wall_s for o, _ in done)
     print(json.dumps({"experiments": len(done), "claims_held": sum(o.claim_held for o, _ in done),
                       "wall_s": round(total, 1)}), file=sys.stderr)

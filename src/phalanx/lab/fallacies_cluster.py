@@ -55,6 +55,8 @@ def fixed_topology(ctx: LabContext) -> Outcome:
     def faults(sc: Scenario) -> Scenario:
         return sc.crash(2, at_s=1.0, restart=False)
 
+    if ctx.sim:
+        ctx.say("no simulator form (its Cluster has no min_workers seam): running real processes")
     rows, data = [], {}
     for label, sw in (("elastic quorum", ALL_ON), ("fixed world OFF", off("elastic_membership"))):
         ctx.say(f"w2 leaves for good at 1 s, {label}, real processes ...")

@@ -33,6 +33,8 @@ def _cases(quick: bool) -> list[tuple[str, str, bool]]:
 def run(ctx: LabContext) -> Outcome:
     """Replicas, routers and the load client read the cluster token from PHALANX_TOKEN_FILE: a
     fresh one in this experiment's folder, set for the experiment only."""
+    if ctx.sim:
+        ctx.say("no simulator form: running real replica processes")
     token_file = ctx.out_dir / "token"
     if not token_file.exists():
         write_token_file(token_file, generate_token())
