@@ -54,7 +54,7 @@ def stop_answering(ctx: LabContext, workers: int) -> dict[str, Any]:
 
 
 def measured_tail(ctx: LabContext) -> list[dict[str, Any]]:
-    sizes = (8, 64) if ctx.quick else (8, 64, 256)
+    sizes = (8, 32, 128) if ctx.quick else (8, 64, 256)
     steps = 30 if ctx.quick else 60
     link = LinkModel(latency_s=0.0005, jitter_s=0.0005, distribution="pareto")
     pts = []
