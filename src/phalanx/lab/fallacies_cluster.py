@@ -30,7 +30,8 @@ def secure_network(ctx: LabContext) -> Outcome:
     ctx.say("a forged StepDecision(commit=True) sent to a real TcpTransport listener ...")
     trials = {"authentication ON": forged_frame_trial(ALL_ON), "authentication OFF": forged_frame_trial(
         off("authentication"))}
-    rows = [[k, v["handshake"], v["forged_accepted"], v["genuine_accepted"], v["rejections"]] for k, v in trials.items()]
+    rows = [[k, v["handshake"], v["forged_accepted"], v["genuine_accepted"], v["rejections"]]
+            for k, v in trials.items()]
     on, of = trials["authentication ON"], trials["authentication OFF"]
     held = of["forged_accepted"] == 1 and on["forged_accepted"] == 0 and on["genuine_accepted"] == 1
     para = (f"An attacker on the network who does not hold the cluster token sent StepDecision(commit=True). "

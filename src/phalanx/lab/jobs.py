@@ -102,7 +102,8 @@ def run_sim(workers: int, steps: int, faults: Faults | None = None, *, seed: int
         cluster["collective"] = CollectiveModel("tree", base.alpha_s, base.beta_s_per_byte)
     if not sw.elastic_membership:
         raise NotImplementedError("the simulator has no min_workers seam; elastic_membership runs on real processes")
-    sc = Scenario(workers, seed, detector=detector_for(sw), collective_timeout_s=collective_timeout_for(sw, collective_timeout_s),
+    sc = Scenario(workers, seed, detector=detector_for(sw),
+                  collective_timeout_s=collective_timeout_for(sw, collective_timeout_s),
                   max_virtual_s=deadline_s, **cluster)
     if faults is not None:
         sc = faults(sc)

@@ -106,7 +106,8 @@ def _plot(g: dict[str, Any]) -> bytes:
     for lat in LATENCIES_MS:
         pts = [(c["workers"], c["efficiency"]) for c in g["cells"] if c["latency_ms"] == lat and c["efficiency"]]
         line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{lat:g} ms")[0]
-        bound = [(c["workers"], c["overlap_bound"]) for c in g["cells"] if c["latency_ms"] == lat and c["overlap_bound"]]
+        bound = [(c["workers"], c["overlap_bound"]) for c in g["cells"]
+                 if c["latency_ms"] == lat and c["overlap_bound"]]
         ax.plot([p[0] for p in bound], [p[1] for p in bound], ls=":", color=line.get_color(), lw=1)
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.05)

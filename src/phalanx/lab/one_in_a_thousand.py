@@ -46,7 +46,8 @@ def stop_answering(ctx: LabContext, workers: int) -> dict[str, Any]:
         ctx.say(f"{workers} simulated workers, one frozen {freeze_s:g} s, {label} ...")
         job = run_sim(workers, steps, faults, seed=ctx.seed, sw=sw, deadline_s=600.0)
         iv = job.step_intervals_s()
-        out[label] = {"ok": job.ok, "median_step_s": job.median_step_s(), "longest_step_s": round(job.longest_stall_s(), 3),
+        out[label] = {"ok": job.ok, "median_step_s": job.median_step_s(),
+                      "longest_step_s": round(job.longest_stall_s(), 3),
                       "mean_step_s": round(sum(iv) / len(iv), 4) if iv else None,
                       "detected_after_s": job.faults[0].get("detected_after_s") if job.faults else None,
                       "wall_s": job.wall_s, "step_intervals_s": iv}
@@ -79,7 +80,8 @@ def slowest_of_n(seed: int, draws: int = 2000) -> list[dict[str, Any]]:
             slow = any(rng.random() < SLOW_PROBABILITY for _ in range(n))
             maxima.append(SLOW_FACTOR if slow else 1.0 + 0.02 * rng.random())
         p_slow = 1 - (1 - SLOW_PROBABILITY) ** n
-        out.append({"workers": n, "p99_of_slowest": _percentile(maxima, 0.99), "median_of_slowest": _percentile(maxima, 0.5),
+        out.append({"workers": n, "p99_of_slowest": _percentile(maxima, 0.99),
+                    "median_of_slowest": _percentile(maxima, 0.5),
                     "share_of_steps_slow": round(sum(m == SLOW_FACTOR for m in maxima) / len(maxima), 4),
                     "share_predicted": round(p_slow, 4)})
     return out
@@ -105,7 +107,8 @@ def run(ctx: LabContext) -> Outcome:
             f"{on['detected_after_s']} s and the job's longest step was {on['longest_step_s']:.2f} s (mean "
             f"{on['mean_step_s']} s); without it all {workers - 1} healthy workers waited: longest step "
             f"{of['longest_step_s']:.2f} s (mean {of['mean_step_s']} s). Fan-out: on long-tailed links the p99 step "
-            f"grew from {tail[0]['p99_step_s']:.3f} s at {tail[0]['workers']} workers to {tail[-1]['p99_step_s']:.3f} s "
+            f"grew from {tail[0]['p99_step_s']:.3f} s at {tail[0]['workers']} workers to "
+            f"{tail[-1]['p99_step_s']:.3f} s "
             f"at {tail[-1]['workers']}; and a delay that hits one worker-step in a thousand slowed "
             f"{m1000['share_of_steps_slow']:.0%} of the steps of a 1,000-worker job (1 - 0.999^N predicts "
             f"{m1000['share_predicted']:.0%}): its p99 is the slow case itself, {m1000['p99_of_slowest']:g}x.")

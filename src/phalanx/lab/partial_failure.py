@@ -106,18 +106,20 @@ def run(ctx: LabContext) -> Outcome:
     table.append(["hung, + collective deadline OFF", None, None, hung["steps_rolled_back"],
                   "hung" if hung["hung"] else hung["time_lost_s"]])
     by = {r["case"]: r for r in rows}
-    held = main.ok and hung["hung"] and not caught["hung"] and by.get("hung, heartbeating", {}).get("detected_after_s") is not None
+    hang_detected = by.get("hung, heartbeating", {}).get("detected_after_s") is not None
+    held = main.ok and hung["hung"] and not caught["hung"] and hang_detected
     return Outcome(
         name=NAME, question=QUESTION,
         setup=(f"{shape['workers']} workers on {ctx.where}, one job of {_steps(shape)} steps (paced to "
                f"{shape['step_s']} s) through: w1 SIGKILLed (restarted), w2 frozen {shape['for_s']} s, w0 4x slow "
                f"{shape['for_s']} s, 30% loss on w1's links {shape['for_s']} s, w2 hung {shape['for_s'] + 1} s while "
-               f"heartbeating, {shape['gap_s']} s apart. Then w1 hung for good, with the progress detector off, and with the all-reduce deadline off as well."),
+               f"heartbeating, {shape['gap_s']} s apart. Then w1 hung for good, with the progress detector off, "
+               "and with the all-reduce deadline off as well."),
         columns=["failure", "detected after (s)", "recovered after (s)", "steps rolled back", "time lost (s)"],
         rows=table, paragraph=_paragraph(main, rows, hung, caught), claim_held=held,
         claim=("the job finishes through all five failures, the hung-but-heartbeating worker is detected by the "
-               "progress detector; with it off the all-reduce deadline still catches it (later), and with both off the same "
-               "hang stops the job: no step commits after it"),
+               "progress detector; with it off the all-reduce deadline still catches it (later), and with both off "
+               "the same hang stops the job: no step commits after it"),
         data={"shape": shape, "faults": rows, "job_ok": main.ok, "job_reason": main.reason,
               "median_step_s": main.median_step_s(), "hung_without_progress_watch": hung,
               "hung_without_progress_detector": caught,
@@ -135,8 +137,9 @@ def _paragraph(main: JobRun, rows: list[dict[str, Any]], hung: dict[str, Any], c
     med = main.median_step_s()
     tail = (f"With only the progress detector off, the all-reduce deadline was the backstop: the first step after "
             f"the hang committed {caught['first_commit_after_s']} s after it. "
-            f"With the all-reduce deadline off as well, the hung worker kept heartbeating and {hung['commits_after_hang']} "
-            f"step(s) committed after the hang; the job {'hung until its deadline stopped it' if hung['hung'] else 'did not hang'}"
+            f"With the all-reduce deadline off as well, the hung worker kept heartbeating and "
+            f"{hung['commits_after_hang']} step(s) committed after the hang; the job "
+            f"{'hung until its deadline stopped it' if hung['hung'] else 'did not hang'}"
             f" ({hung['reason']}).")
     return (f"Median step {med:.3f} s; the job {'finished' if main.ok else 'FAILED: ' + main.reason}. "
             + "; ".join(parts) + ". A crash is the easy case (the connection drops); a slow worker is never a "
