@@ -1,28 +1,32 @@
 """``serving-tail``: one slow replica, routing policies side by side.
 
-Built from the serving benchmark's own pieces (bench/serving.py: its replica set with one replica
-10x slow, its router process per policy, its service-time probe; serve/loadtest.py: Poisson load
-and percentiles): real replica processes on loopback, the same load for every policy.
+Built like the serving benchmark (bench/serving.py: its policy cases, five replicas with one 10x
+slow, a router process per policy, load at a share of the measured capacity) from the serve layer's
+public pieces (serve/cluster.py replica and router processes under a fresh cluster token,
+serve/loadtest.py Poisson load and percentiles): real processes on loopback, the same load for
+every policy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
+from pathlib import Path
 from typing import Any
 
+import httpx
+
 from phalanx.bench import serving as bench
-from phalanx.core.auth import generate_token, write_token_file
 from phalanx.lab.context import LabContext
 from phalanx.lab.outcome import Outcome, new_figure, png
-from phalanx.serve.cluster import spawn_replicas, stop_replicas
+from phalanx.serve.cluster import make_token_file, spawn_replicas, spawn_router, stop_replicas
 from phalanx.serve.loadtest import LoadSpec, run_load, summarize
 
 QUESTION = ("One replica of five is 10x slower. What does each routing policy do to the latency tail: does the "
             "slow replica set everyone's p99, or does the router route around it?")
 SLOW_REPLICA = 3
 MAX_TOKENS = 16
-TOKEN_ENV = "PHALANX_TOKEN_FILE"
 
 
 def _cases(quick: bool) -> list[tuple[str, str, bool]]:
@@ -31,48 +35,47 @@ def _cases(quick: bool) -> list[tuple[str, str, bool]]:
 
 
 def run(ctx: LabContext) -> Outcome:
-    """Replicas, routers and the load client read the cluster token from PHALANX_TOKEN_FILE: a
-    fresh one in this experiment's folder, set for the experiment only."""
     if ctx.sim:
         ctx.say("no simulator form: running real replica processes")
-    token_file = ctx.out_dir / "token"
-    if not token_file.exists():
-        write_token_file(token_file, generate_token())
-    old = os.environ.get(TOKEN_ENV)
-    os.environ[TOKEN_ENV] = str(token_file.resolve())
-    try:
-        return _run(ctx)
-    finally:
-        if old is None:
-            os.environ.pop(TOKEN_ENV, None)
-        else:
-            os.environ[TOKEN_ENV] = old
-
-
-def _run(ctx: LabContext) -> Outcome:
     duration_s = 5.0 if ctx.quick else 20.0
+    token_file = make_token_file(ctx.out_dir / "serve")  # a fresh cluster token for this experiment, mode 600
     ctx.say("starting 5 replica processes (r3 10x slow) ...")
     reps = spawn_replicas(5, ["--random-weights", "0", "--batch-size-max", "1", "--queue-depth-max", "10000"],
-                          {SLOW_REPLICA: ["--slowdown-factor", "10"]})
+                          token_file, {SLOW_REPLICA: ["--slowdown-factor", "10"]})
     results: dict[str, dict[str, Any]] = {}
     try:
         urls = {r.replica_id: r.url for r in reps}
-        service_s = bench._service_time_s(urls["r0"], MAX_TOKENS, n=8 if ctx.quick else 20)
+        service_s = _service_time_s(urls, token_file, 8 if ctx.quick else 20)
         rate = 0.6 * min(4, os.cpu_count() or 1) / service_s
         for name, policy, hedging in _cases(ctx.quick):
             # healthy: the four fast replicas; the others: three fast ones and the slow one
             chosen = {k: v for k, v in urls.items() if k != (f"r{SLOW_REPLICA}" if name == "healthy" else "r4")}
             ctx.say(f"{name}: {rate:.1f} req/s for {duration_s:g} s ...")
-            proc, url = bench._router(chosen, policy, hedging)
+            router = spawn_router(chosen, token_file, policy, hedging)
             try:
-                spec = LoadSpec(url=url, duration_s=duration_s, rate_per_s=rate, max_tokens=MAX_TOKENS, timeout_s=60)
+                spec = LoadSpec(url=router.url, duration_s=duration_s, rate_per_s=rate, max_tokens=MAX_TOKENS,
+                                timeout_s=60)
                 results[name] = summarize(spec, asyncio.run(run_load(spec)))
             finally:
-                proc.kill()
-                proc.wait(10)
+                router.stop()
     finally:
         stop_replicas(reps)
     return _outcome(results, service_s, rate, duration_s)
+
+
+def _service_time_s(urls: dict[str, str], token_file: Path, n: int) -> float:
+    """One fast replica's time per request, unloaded, through a router (which signs the requests)."""
+    router = spawn_router({"r0": urls["r0"]}, token_file, "round-robin")
+    body = {"model": "phalanx-charlm", "prompt": "The ", "max_tokens": MAX_TOKENS, "temperature": 0.8}
+    try:
+        with httpx.Client(timeout=30) as c:
+            c.post(router.url + "/v1/completions", json=body).raise_for_status()  # warm-up
+            t0 = time.monotonic()
+            for i in range(n):
+                c.post(router.url + "/v1/completions", json=dict(body, seed=i)).raise_for_status()
+        return (time.monotonic() - t0) / n
+    finally:
+        router.stop()
 
 
 def _outcome(results: dict[str, dict[str, Any]], service_s: float, rate: float, duration_s: float) -> Outcome:
@@ -85,7 +88,7 @@ def _outcome(results: dict[str, dict[str, Any]], service_s: float, rate: float, 
             f"policy. All-healthy p99 {base:.3f} s. " + "; ".join(
                 f"{n}: p99 {r['latency_s']['p99']:.3f} s ({(r['latency_s']['p99'] or 0) / base:.1f}x healthy), "
                 f"{r['errors']} errors" for n, r in results.items() if n != "healthy")
-            + ". Round-robin sends every fifth request to the slow replica, so its tail is the slow replica's; a "
+            + ". Round-robin sends every fourth request to the slow replica, so its tail is the slow replica's; a "
               "policy that measures latency routes around it.")
     return Outcome("serving-tail", QUESTION,
                    f"Real: 5 replica processes on loopback (one request at a time each; r{SLOW_REPLICA} 10x slow), one "
