@@ -13,10 +13,12 @@ def _spans(r, name, worker=None):
 
 
 def test_workers_restore_the_newest_checkpoint_when_every_holder_of_the_state_died():
-    # both workers die in step 10, right after the checkpoint of step 9; the restarted processes
-    # hold nothing, so they restore that (in-memory, durable) checkpoint and go on to the reference
+    # both workers die in the middle of step 10 (steps take ~50 ms; at_s counts from the first
+    # commit, ~0.05 s, and step 9 commits at ~0.51 s), after the checkpoint of step 9; the
+    # restarted processes hold nothing, so they restore that (in-memory, durable) checkpoint and
+    # go on to the reference
     r = (Scenario(workers=2, seed=3, checkpoint_every_steps=5)
-         .crash(0, at_step=10).crash(1, at_step=10).run_until(step=30))
+         .crash(0, at_s=0.48).crash(1, at_s=0.48).run_until(step=30))
     assert r.ok, r.reason
     restores = _spans(r, "restore")
     assert restores and {s["step"] for s in restores} == {9}
@@ -46,3 +48,23 @@ def test_a_worker_frozen_across_the_end_is_caught_up_by_a_draining_peer_in_the_s
     caught = r.events_of("caught_up_after_finish")
     assert caught and "w2" in caught[0]["members"]
     assert r.summary["workers_completed"] == 3  # w2 ended holding the final state too
+
+
+def test_fault_free_steps_ask_for_the_next_quorum_in_their_report():
+    # the fast path: with unchanged membership a worker's report of step s is also its request for
+    # step s+1, and the grant follows the commit decision: no QuorumRequest round trip per step
+    r = Scenario(workers=4, seed=5).run_until(step=30)
+    assert r.ok, r.reason
+    asked = r.summary["quorum_requests"]
+    assert asked["in_reports"] == 4 * 29  # every step after the first, every worker
+    assert asked["sent"] == 4  # the first step's requests only
+
+
+def test_a_checkpoint_writer_asks_the_normal_way_and_its_peers_wait_for_it():
+    r = Scenario(workers=4, seed=5, checkpoint_every_steps=10).run_until(step=30)
+    assert r.ok, r.reason
+    asked = r.summary["quorum_requests"]
+    written = sorted(s["step"] for s in _spans(r, "checkpoint"))
+    assert written == [9, 19, 29]
+    # the writer of steps 9 and 19 asked for 10 and 20 once written (29 is the last step)
+    assert asked["sent"] == 4 + 2 and asked["in_reports"] == 4 * 29 - 2

@@ -8,7 +8,9 @@ from phalanx.core.errors import (
     PeerTimeout,
 )
 from phalanx.core.messages import StepDecision, Welcome
+from phalanx.collectives.process_group import LocalProcessGroup
 from phalanx.sim.loop import run_virtual
+from phalanx.train.exchange import Exchange
 from phalanx.train.step_engine import MAX_ATTEMPTS_PER_STEP, BodyResult, StepEngine
 from phalanx.train.worker_agent import Assignment
 
@@ -48,7 +50,10 @@ class FakeAgent:
             raise item
         return item
 
-    async def allreduce(self, a, buf, verify, compute_s):
+    async def exchange(self, a):
+        return Exchange(LocalProcessGroup(a.quorum_id))
+
+    async def allreduce(self, a, ex, tail, verify, compute_s, next_step=-1):
         if self.vote_errors:
             raise self.vote_errors.pop(0)
         return StepDecision(step=a.step, quorum_id=a.quorum_id, commit=True, reason="ok", loss=1.0)
@@ -86,7 +91,7 @@ class Body:
 
     async def run(self, ticket):
         self.ran.append(ticket.step)
-        v = await self.ref[0].vote(ticket.assignment, None, lambda b: (True, 1.0), 0.01)
+        v = await self.ref[0].vote(ticket.assignment, ticket.exchange, None, lambda: (True, 1.0), 0.01)
         return BodyResult(v.commit, 1, v.loss, v.reason)
 
 

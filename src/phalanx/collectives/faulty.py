@@ -89,6 +89,17 @@ class FaultyProcessGroup:
             raise
         await self.inner.allreduce_sum(tensor, max(deadline_s - self._now(), 0.001))
 
+    def start_allreduce_sum(self, tensor: Any, share: float = 1.0) -> Any:
+        """Clean links: straight into the inner group (a collective inside Gloo is not touched by
+        a cut that starts later). Degraded or cut links: None, so the caller issues it through
+        ``allreduce_sum``, which applies the fault."""
+        if self._abandoned:
+            raise CollectiveError(f"process group of quorum {self.quorum_id} was abandoned")
+        if self._cond.is_cut_off(self._peers) or self._cond.allreduce_delay_s(self._peers, self.world_size,
+                                                                              tensor_bytes(tensor)) > 0:
+            return None
+        return self.inner.start_allreduce_sum(tensor, share)
+
     def abandon(self) -> None:
         if not self._abandoned:
             self._abandoned = True

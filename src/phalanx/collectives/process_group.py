@@ -20,6 +20,13 @@ from typing import Any, Protocol
 from phalanx.core.errors import CollectiveError
 
 
+class Pending(Protocol):
+    """A collective already started: ``wait`` until it is done (raises CollectiveError on failure
+    or at the deadline; cancelling the wait abandons the group)."""
+
+    async def wait(self, timeout_s: float) -> None: ...
+
+
 class ProcessGroup(Protocol):
     quorum_id: int
     rank: int
@@ -28,7 +35,20 @@ class ProcessGroup(Protocol):
     async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
         """Sum ``tensor`` in place across the group; raises CollectiveError on failure or deadline."""
 
+    def start_allreduce_sum(self, tensor: Any, share: float = 1.0) -> Pending | None:
+        """Start summing ``tensor`` in place now, without waiting: from any thread for real groups
+        (the autograd hooks of a backward pass call it), from the event loop for simulated ones.
+        Every rank must start its collectives in the same order. None: not now (e.g. a network
+        fault is active on the data plane): the caller issues it with ``allreduce_sum`` instead.
+        ``share`` is the fraction of the step's gradient the tensor carries (0 for bookkeeping);
+        simulated groups charge their modelled cost by it, real ones ignore it."""
+
     def abandon(self) -> None: ...
+
+
+class _Done:
+    async def wait(self, timeout_s: float) -> None:
+        return None
 
 
 class ProcessGroupFactory(Protocol):
@@ -44,6 +64,9 @@ class LocalProcessGroup:
     async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
         return None
 
+    def start_allreduce_sum(self, tensor: Any, share: float = 1.0) -> Pending:
+        return _Done()
+
     def abandon(self) -> None:
         return None
 
@@ -56,12 +79,36 @@ class TorchProcessGroup:
         self._abandoned = False
 
     async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
-        if self._abandoned:
+        await self.start_allreduce_sum(tensor).wait(timeout_s)
+
+    def start_allreduce_sum(self, tensor: Any, share: float = 1.0) -> "_TorchPending":
+        """Thread-safe: Gloo and NCCL queue the work on their own threads and streams."""
+        pg = self._pg
+        if self._abandoned or pg is None:
             raise CollectiveError(f"process group of quorum {self.quorum_id} was abandoned")
+        try:
+            return _TorchPending(self, pg.allreduce([tensor]))
+        except RuntimeError as e:
+            self.abandon()
+            raise CollectiveError(f"all-reduce could not start in quorum {self.quorum_id}: {_short(e)}") from e
+
+    def abandon(self) -> None:
+        if not self._abandoned:
+            self._abandoned = True
+            self._graveyard.bury(self._pg)
+            self._pg = None
+
+
+class _TorchPending:
+    def __init__(self, group: TorchProcessGroup, work: Any) -> None:
+        self._group, self._work = group, work
+
+    async def wait(self, timeout_s: float) -> None:
+        group = self._group
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
 
-        def on_done(fut: Any) -> None:
+        def on_done(fut: Any) -> None:  # on a Gloo/NCCL thread, or here if already complete
             def settle() -> None:
                 if done.done():
                     return
@@ -69,32 +116,21 @@ class TorchProcessGroup:
                     fut.value()
                     done.set_result(None)
                 except Exception as e:  # translated at this one boundary
-                    done.set_exception(CollectiveError(f"all-reduce failed in quorum {self.quorum_id}: {_short(e)}"))
+                    done.set_exception(CollectiveError(f"all-reduce failed in quorum {group.quorum_id}: {_short(e)}"))
             loop.call_soon_threadsafe(settle)
 
-        try:
-            work = self._pg.allreduce([tensor])
-            work.get_future().add_done_callback(on_done)
-        except RuntimeError as e:
-            self.abandon()
-            raise CollectiveError(f"all-reduce could not start in quorum {self.quorum_id}: {_short(e)}") from e
+        self._work.get_future().add_done_callback(on_done)
         try:
             await asyncio.wait_for(asyncio.shield(done), timeout_s)
         except asyncio.TimeoutError as e:
-            self.abandon()
-            raise CollectiveError(f"all-reduce in quorum {self.quorum_id} passed its {timeout_s:.1f} s deadline") from e
+            group.abandon()
+            raise CollectiveError(f"all-reduce in quorum {group.quorum_id} passed its {timeout_s:.1f} s deadline") from e
         except CollectiveError:
-            self.abandon()
+            group.abandon()
             raise
         except asyncio.CancelledError:
-            self.abandon()  # the step was aborted (quorum broken): never touch this group again
+            group.abandon()  # the step was aborted (quorum broken): never touch this group again
             raise
-
-    def abandon(self) -> None:
-        if not self._abandoned:
-            self._abandoned = True
-            self._graveyard.bury(self._pg)
-            self._pg = None
 
 
 class _Graveyard:

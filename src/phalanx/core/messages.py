@@ -88,6 +88,8 @@ class AllreduceDone(_Msg):
     samples_covered_once: bool = False
     compute_s: float = 0.0
     allreduce_s: float = 0.0
+    # the fast path: on commit, this is also the worker's quorum request for this step (-1: none)
+    next_step: Count = -1
 
 
 class HealDone(_Msg):

@@ -54,6 +54,8 @@ class Coordinator(WorkerMessages):
         self._form_blocked = False  # a message-triggered formation found nothing to form this tick
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.refused: dict[str, int] = {}  # messages refused, by kind (events for the first few)
+        # quorum requests by how they came: a QuorumRequest message, or in a step's report (the fast path)
+        self.quorum_requests = {"sent": 0, "in_reports": 0}
         self._speed: dict[str, float] = {}  # available mode: share of the batch per compute second
         self._t0 = host.now()
         self._last_commit_s = host.now()
@@ -237,16 +239,25 @@ class Coordinator(WorkerMessages):
         # recorded (the launcher's durable floor) before any decision leaves the process
         self.emit("step_committed", step=q.step, quorum_id=q.quorum_id, members=list(q.members), loss=loss,
                   step_s=rec.step_s)
+        asked = False
         for w in sorted(q.reports):
             s = self.sessions[w]
             s.last_committed_step, s.has_state = q.step, True
             self._send(s, StepDecision(step=q.step, quorum_id=q.quorum_id, commit=True, reason=why, loss=loss))
+            if s.asks_next == q.step + 1:
+                self._asked_in_report(s, q.step + 1, now)
+                asked = True
+        if asked:
+            # the grants follow the decisions in each outbox (same order on the wire): with the same
+            # members still asking, the next step starts without another round trip
+            self._form_blocked = False
 
     def _abort(self, q: CurrentQuorum, why: str) -> None:
         q.decided, q.intact = True, False
         self.steps_retried += 1
         for w in q.members:
             s = self.sessions[w]
+            s.asks_next = -1  # the requests rode on reports of a step that did not commit: void
             if s.connected:
                 self._send(s, QuorumBroken(quorum_id=q.quorum_id, reason=why))
                 self._send(s, StepDecision(step=q.step, quorum_id=q.quorum_id, commit=False, reason=why))

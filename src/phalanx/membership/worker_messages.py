@@ -38,6 +38,7 @@ class WorkerMessages:
     completed_workers: int
     formed_any: bool
     refused: dict[str, int]
+    quorum_requests: dict[str, int]
     all_done: Any
     _form_blocked: bool
     _speed: dict[str, float]
@@ -152,6 +153,7 @@ class WorkerMessages:
                                                      f"{self.cluster_step}")
             return False
         self.sessions.set_waiting(s, True, now)
+        self.quorum_requests["sent"] += 1
         s.last_committed_step, s.has_state = m.last_committed_step, m.has_state
         s.requested_step = m.step
         self.total_steps = max(self.total_steps, min(m.total_steps, ID_LIMIT))
@@ -161,6 +163,18 @@ class WorkerMessages:
         self._form_blocked = False  # the request that completes the askers always tries to form
         return True
 
+    def _asked_in_report(self, s: WorkerSession, step: int, now: float) -> None:
+        """The fast path: a member of the step that just committed asked for the next one in its
+        report. It holds the step it reported (the commit says so), so this is exactly the
+        QuorumRequest it would send next, without the round trip."""
+        s.asks_next = -1
+        if s.done or not s.healthy:
+            return
+        self.sessions.set_waiting(s, True, now)
+        self.quorum_requests["in_reports"] += 1
+        s.requested_step = step
+        s.phase = (fd.Phase.REQUESTED, now)
+
     def _on_quorum_cancel(self, s: WorkerSession, m: QuorumCancel) -> bool:
         s.asked_when_suspected = False
         self.sessions.set_waiting(s, False)
@@ -168,7 +182,9 @@ class WorkerMessages:
 
     def _on_progress(self, s: WorkerSession, m: Progress) -> bool:
         q = self.quorum
-        if q and m.quorum_id == q.quorum_id and s.worker_id in q.member_set:
+        # phases only move forward: the mark is sent without waiting, and may trail the report
+        if q and m.quorum_id == q.quorum_id and m.step == q.step and s.worker_id in q.member_set \
+                and s.phase[0] < fd.Phase.ALLREDUCE:
             s.phase = (fd.Phase.ALLREDUCE, self.host.now())
         return False
 
@@ -231,6 +247,7 @@ class WorkerMessages:
                                        reason="stale quorum id: step fenced"))
             return
         q.reports[s.worker_id] = Report(m.ok, m.samples_covered_once, m.error)
+        s.asks_next = m.next_step if m.ok and m.next_step == q.step + 1 else -1
         q.losses[s.worker_id] = m.loss
         speed = policy.updated_speed(self._speed.get(s.worker_id), q.weights.get(s.worker_id, 0.0) if m.ok else 0.0,
                                      m.compute_s)

@@ -454,6 +454,7 @@ class Cluster:
                               "bytes_duplicated": self.net.bytes_duplicated,
                               "frames_reordered": self.net.frames_reordered},
             "collectives": self.pgf.collectives,
+            "quorum_requests": dict(self.coord.quorum_requests),  # of the last coordinator incarnation
         }
         return SimResult(summary["ok"], summary["reason"], self.violations, summary, commits, self.events,
                          self.spans, digest_lines(lines), self._applied, superseded)

@@ -39,12 +39,14 @@ class CollectiveModel:
 class _Op:
     arrivals: dict[int, tuple[np.ndarray, SimNode, int, asyncio.Future[None]]] = field(default_factory=dict)
     last_arrival_s: float = 0.0
+    share: float = 0.0  # of the step's gradient (for cost_bytes)
 
 
 class _Group:
     def __init__(self, quorum_id: int, world: int) -> None:
         self.quorum_id, self.world = quorum_id, world
         self.ops: dict[int, _Op] = {}
+        self.busy_until_s = 0.0  # the group's links carry one collective at a time
 
 
 class SimProcessGroupFactory:
@@ -87,25 +89,25 @@ class SimProcessGroup:
         self._abandoned = False
 
     async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
+        await self.start_allreduce_sum(tensor).wait(timeout_s)
+
+    def start_allreduce_sum(self, tensor: Any, share: float = 1.0) -> "_SimPending":
+        """Enter the collective now (on the simulation's loop); no task or coroutine per call."""
         if self._abandoned:
             raise CollectiveError(f"process group of quorum {self.quorum_id} was abandoned")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self.world_size == 1:
-            return
-        loop = asyncio.get_running_loop()
+            fut.set_result(None)
+            return _SimPending(self, fut, None)
         g = self.shared.group(self.quorum_id, self.world_size)
         seq, self._seq = self._seq, self._seq + 1
         op = g.ops.setdefault(seq, _Op())
-        fut: asyncio.Future[None] = loop.create_future()
         op.arrivals[self.rank] = (tensor, self.node, self.node.incarnation, fut)
-        op.last_arrival_s = loop.time()
+        op.share = max(op.share, share)
+        op.last_arrival_s = fut.get_loop().time()
         if len(op.arrivals) == self.world_size:
             self._complete(g, seq, op)
-        try:
-            await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError as e:
-            self._abandoned = True
-            raise CollectiveError(f"all-reduce of quorum {self.quorum_id} passed its {timeout_s:.1f} s deadline "
-                                  f"({len(op.arrivals)} of {self.world_size} ranks arrived)") from e
+        return _SimPending(self, fut, op)
 
     def _complete(self, g: _Group, seq: int, op: _Op) -> None:
         del g.ops[seq]
@@ -114,10 +116,12 @@ class SimProcessGroup:
         if len(sides) > 1 or any(not n.alive or inc != n.incarnation for _, n, inc, _ in members):
             return  # across a partition or with a dead rank: nobody completes; deadlines fire
         total = np.sum(np.stack([t for t, _, _, _ in members]), axis=0)
-        nbytes = self.shared.cost_bytes or members[0][0].nbytes
+        # sizes only: the collective stands for its share of a large model's gradient
+        nbytes = int(self.shared.cost_bytes * op.share) if self.shared.cost_bytes else members[0][0].nbytes
         self.shared.collectives += 1
         loop = asyncio.get_running_loop()
-        done_at = op.last_arrival_s + self.shared.model.allreduce_s(self.world_size, nbytes)
+        done_at = max(op.last_arrival_s, g.busy_until_s) + self.shared.model.allreduce_s(self.world_size, nbytes)
+        g.busy_until_s = done_at
 
         def finish() -> None:
             for t, n, inc, fut in members:
@@ -128,3 +132,18 @@ class SimProcessGroup:
 
     def abandon(self) -> None:
         self._abandoned = True
+
+
+class _SimPending:
+    def __init__(self, group: SimProcessGroup, fut: "asyncio.Future[None]", op: _Op | None) -> None:
+        self._group, self._fut, self._op = group, fut, op
+
+    async def wait(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._fut, timeout_s)
+        except asyncio.TimeoutError as e:
+            g = self._group
+            g.abandon()
+            arrived = len(self._op.arrivals) if self._op else g.world_size
+            raise CollectiveError(f"all-reduce of quorum {g.quorum_id} passed its {timeout_s:.1f} s deadline "
+                                  f"({arrived} of {g.world_size} ranks arrived)") from e

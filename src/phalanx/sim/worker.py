@@ -23,7 +23,7 @@ from phalanx.sim.network import SimNetwork
 from phalanx.sim.process_group import SimProcessGroupFactory
 from phalanx.sim.workload import RegressionData, SimModelConfig, params_digest
 from phalanx.train import sharding
-from phalanx.train.step_buffer import GradientLayout, expected_coverage
+from phalanx.train.step_buffer import TailLayout, expected_coverage
 from phalanx.train.step_engine import BodyResult, StepEngine, Ticket
 from phalanx.train.worker_agent import Assignment, HealedState, WorkerAgent, WorkerConfig
 
@@ -150,18 +150,24 @@ class SimWorker:
             self.w = self.w - cfg.lr * grad / share
             self.span("compute", t0, step=ticket.step, samples=count)
             return BodyResult(True, count, loss / share)
-        layout = GradientLayout(cfg.features, gbs)
-        buf = np.empty(layout.size)
-        buf[: cfg.features] = grad
-        layout.fill_tail(buf, offset, idx, loss / share, share)
+        ex = ticket.exchange
+        assert ex is not None, "a voting ticket carries its exchange"
+        # the gradient in buckets, in order (as real runs start them from autograd hooks), then
+        # the tail: the same Exchange and vote as real runs
+        buckets = np.array_split(grad, max(1, min(cfg.grad_buckets, cfg.features)))
+        for b in buckets:
+            ex.launch(b, len(b) / cfg.features)
+        layout = TailLayout(gbs)
+        tail = np.empty(layout.size)
+        layout.fill(tail, offset, idx, loss / share, share)
         expected = expected_coverage(a.step, cfg.dataset_size, gbs, cfg.seed, np.float64)
         self.span("compute", t0, step=a.step, quorum_id=a.quorum_id)
         t1 = host.now()
-        vote = await self.engine.vote(a, buf, lambda b: layout.verify(b, expected), host.now() - t0)
+        vote = await self.engine.vote(a, ex, tail, lambda: layout.verify(tail, expected), host.now() - t0)
         self.span("allreduce", t1, step=a.step, quorum_id=a.quorum_id, commit=vote.commit)
         if not vote.commit:
             return BodyResult(False, count, None, vote.reason)  # rolled back: parameters untouched
-        self.w = self.w - cfg.lr * buf[: cfg.features]
+        self.w = self.w - cfg.lr * np.concatenate(buckets)
         self.observer.on_worker_commit(self, a.step, a.quorum_id, params_digest(self.w))
         return BodyResult(True, count, vote.loss)
 

@@ -22,6 +22,7 @@ class SimModelConfig:
     global_batch_size: int = 256
     lr: float = 0.05
     seed: int = 0
+    grad_buckets: int = 2  # the gradient travels in this many buckets, then the coverage tail
 
 
 class RegressionData:

@@ -32,7 +32,8 @@ import torch
 from phalanx.core.errors import ConfigError, FinalStateUnavailable
 from phalanx.train import sharding
 from phalanx.train.faults_in_process import InProcessFaults
-from phalanx.train.step_buffer import GradientLayout, MergeLayout, expected_coverage
+from phalanx.train.grad_buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
+from phalanx.train.step_buffer import MergeLayout, TailLayout, expected_coverage
 from phalanx.train.step_engine import BodyResult, LoopExited, StepEngine, Ticket
 from phalanx.train.worker_agent import Assignment, HealedState, WorkerAgent
 
@@ -43,6 +44,7 @@ class Step:
     def __init__(self, job: "Job", ticket: Ticket) -> None:
         self._job, self._a = job, ticket.assignment
         self.local = ticket.local  # local-sgd: a local step, no all-reduce (merges happen between steps)
+        self._ex = ticket.exchange
         self.started_s = time.monotonic()
         self._shard: tuple[int, int, np.ndarray, int, int] | None = None  # offset, count, idx, gbs, size
         self.loss: float | None = None
@@ -62,6 +64,7 @@ class Step:
         gb = sharding.global_batch(self.number, dataset_size, global_batch_size, self._job.data_seed)
         idx = np.array(gb[offset : offset + count])
         self._shard = (offset, count, idx, global_batch_size, dataset_size)
+        self._job._arm(self)
         return idx
 
     @property
@@ -201,6 +204,7 @@ class Job:
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._current: Step | None = None
+        self._buckets: GradientBuckets | None = None
         self.faults = InProcessFaults(self)
         self._spans = _SpanLog(run_dir / "workers" / f"{worker_id}.jsonl", worker_id)
         self._body = _ThreadBody(loop)
@@ -228,9 +232,20 @@ class Job:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Register the state that is healed to joining workers and checkpointed."""
+    def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+              overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        """Register the state that is healed to joining workers and checkpointed.
+
+        With ``overlap`` (the default) the model's gradients are all-reduced in buckets of at most
+        ``bucket_bytes`` during ``loss.backward()``, from autograd hooks (train/grad_buckets.py):
+        one backward per step. ``overlap=False`` all-reduces them in ``allreduce_gradients``
+        instead (for gradient accumulation over several backward passes)."""
+        if self._buckets is not None:
+            self._buckets.close()
+            self._buckets = None
         self.model, self.optimizer = model, optimizer
+        if overlap and self.mode != "local-sgd":
+            self._buckets = GradientBuckets(list(model.parameters()), bucket_bytes)
         if optimizer is not None:
             original = optimizer.step
 
@@ -258,7 +273,9 @@ class Job:
                 rng = torch.get_rng_state()
                 yield st
                 if not st._reduced and not st.failed:
-                    self._allreduce(st, None, None)  # a body without gradients still votes
+                    # a body without gradients still votes (the tracked model's buckets, if any, so
+                    # every rank starts the same collectives)
+                    self._allreduce(st, self.model if self._buckets is not None else None, None)
                 if not st.committed:
                     self._rollback(rng)
                 samples = st._shard[1] if st._shard else 0
@@ -269,6 +286,8 @@ class Job:
             raise
         finally:
             self._current = None
+            if self._buckets is not None:
+                self._buckets.disarm()
         engine.result()  # re-raises how the engine ended: FinalStateUnavailable, JobFailed, ...
 
     def _encode_state(self) -> tuple[bytes, list[memoryview]]:
@@ -278,9 +297,17 @@ class Job:
         state = capture_training_state(self.model, self.optimizer, {"step": self.agent.last_committed_step})
         return encode_training_state(state)
 
+    def _arm(self, st: Step) -> None:
+        """The step's shard is known: from here, completed gradient buckets start their all-reduce
+        from the backward pass (the quorum's group is already open in the ticket's exchange)."""
+        b, ex, sh = self._buckets, st._ex, st._shard
+        if b is not None and ex is not None and sh is not None and not st.local and sh[3]:
+            b.arm(ex, sh[1] / sh[3])
+
     def _allreduce(self, st: Step, model: torch.nn.Module | None, loss: Any) -> bool:
-        """The vote: ``[gradients * n_i/N | coverage | loss * n_i/N]`` summed over the quorum
-        (train/step_buffer.py), then the reduced gradients written back on commit."""
+        """The vote: the gradient buckets ``* n_i/N`` (most already on the wire, started during
+        backward), then the tail ``[coverage | loss * n_i/N]`` (train/step_buffer.py); summed
+        over the quorum. On commit the ``.grad`` tensors already hold the reduced gradients."""
         self.faults.before_allreduce(st, time.monotonic() - st.started_s)
         compute_s = time.monotonic() - st.started_s  # a straggler's stretch counts: it is slow compute
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0.0)
@@ -288,42 +315,62 @@ class Job:
             st.committed, st.loss = True, loss_value
             self._spans.span("compute", st.started_s, step=st.number, quorum_id=st.quorum_id)
             return True
-        params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        ex = st._ex
+        assert ex is not None, "a voting step carries its exchange"
         sh = st._shard
         offset, count, idx, gbs = (sh[0], sh[1], sh[2], sh[3]) if sh else (0, 0, np.zeros(0, np.int64), 0)
         share = count / gbs if gbs else 0.0
-        layout = GradientLayout(sum(p.numel() for p in params), gbs)
-        flat = torch.empty(layout.size, dtype=torch.float32)
-        pos = 0
-        for p in params:
-            n = p.numel()
-            if p.grad is None:
-                flat[pos : pos + n].zero_()
-            else:
-                torch.mul(p.grad.reshape(-1), share, out=flat[pos : pos + n])
-            pos += n
-        view = flat.numpy()
-        layout.fill_tail(view, offset, idx, loss_value, share)
-        expected = expected_coverage(st.number, sh[4], gbs, self.data_seed) if sh is not None else None
-        self._spans.span("compute", st.started_s, step=st.number, quorum_id=st.quorum_id, samples=count)
-        t0 = time.monotonic()
-        vote = self._call(self.engine.vote(st._a, flat, lambda _t: layout.verify(view, expected), compute_s))
-        if not vote.commit:
-            st.failed = vote.reason or "step aborted"
+        buckets = self._buckets if model is self.model else None
+        error = ""
+        flat: torch.Tensor | None = None
+        if buckets is not None:
+            if not buckets.armed:  # no shard before backward: start them all now
+                buckets.arm(ex, share)
+            error = buckets.finish()
+            params = buckets.params
+        else:  # overlap off, or not the tracked model: one flat buffer, copied back on commit
+            params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+            pos = 0
             for p in params:
                 if p.grad is not None:
-                    p.grad.zero_()
+                    torch.mul(p.grad.reshape(-1), share, out=flat[pos : pos + p.numel()])
+                pos += p.numel()
+            ex.launch(flat, 1.0)
+        layout = TailLayout(gbs)
+        device = buckets.device if buckets is not None else torch.device("cpu")
+        tail = torch.empty(layout.size, dtype=torch.float32, device=device)
+        host_tail = tail if tail.device.type == "cpu" else torch.empty(layout.size, dtype=torch.float32)
+        layout.fill(host_tail.numpy(), offset, idx if not error else np.zeros(0, np.int64), loss_value, share)
+        if host_tail is not tail:
+            tail.copy_(host_tail)
+        expected = expected_coverage(st.number, sh[4], gbs, self.data_seed) if sh is not None else None
+
+        def verify() -> tuple[bool, float]:
+            reduced = tail.cpu().numpy() if tail.device.type != "cpu" else tail.numpy()
+            return layout.verify(reduced, expected)
+
+        self._spans.span("compute", st.started_s, step=st.number, quorum_id=st.quorum_id, samples=count)
+        t0 = time.monotonic()
+        vote = self._call(self.engine.vote(st._a, ex, tail, verify, compute_s))
+        if error:  # the coverage was withheld, so the step aborted everywhere; now say why
+            if buckets is not None:
+                buckets.renew()
+            raise ConfigError(error)
+        if not vote.commit:
+            st.failed = vote.reason or "step aborted"
+            if buckets is not None:
+                buckets.renew()  # an abandoned collective may still write into the old buffers
+            for p in params:
+                p.grad = None
             self._spans.span("allreduce", t0, step=st.number, quorum_id=st.quorum_id, commit=False, reason=st.failed)
             return False
-        pos = 0
-        for p in params:
-            n = p.numel()
-            reduced = flat[pos : pos + n].view_as(p).to(p.dtype)
-            if p.grad is None:
-                p.grad = reduced.clone()
-            else:
-                p.grad.copy_(reduced)
-            pos += n
+        if flat is not None:
+            pos = 0
+            for p in params:
+                reduced = flat[pos : pos + p.numel()].view_as(p).to(p.dtype)
+                p.grad = reduced if p.grad is None else p.grad.copy_(reduced)
+                pos += p.numel()
         st.committed, st.loss = True, vote.loss
         self._spans.span("allreduce", t0, step=st.number, quorum_id=st.quorum_id, commit=True)
         return True

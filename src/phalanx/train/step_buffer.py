@@ -1,9 +1,9 @@
 """The one layout of what a step all-reduces, shared by real runs and the simulator.
 
-A step's buffer is ``[gradients * n_i/N | coverage | loss * n_i/N]``: summed over the quorum it
-holds the global-batch mean gradient, the coverage vector (global-batch position -> sample index
-+ 1, each member filling only its own slice, so the sum equals the batch exactly when every sample
-was used once) and the global-batch mean loss. A local-sgd merge's buffer is
+A step all-reduces its gradients ``* n_i/N`` in buckets (summed over the quorum: the global-batch
+mean gradient), then a small tail ``[coverage | loss * n_i/N]``: the coverage vector (global-batch
+position -> sample index + 1, each member filling only its own slice, so the sum equals the batch
+exactly when every sample was used once) and the global-batch mean loss. A local-sgd merge's buffer is
 ``[params * w_i | w_i | loss * w_i]``: the weighted average of parameters. Both are numpy views
 here (a torch tensor's ``.numpy()`` shares its memory), so one implementation serves both sides.
 """
@@ -18,28 +18,26 @@ from phalanx.train import sharding
 
 
 @dataclass(frozen=True)
-class GradientLayout:
-    """Offsets of one step's buffer: ``n_grad`` gradient values, a ``global_batch_size`` coverage
-    vector, and one loss value."""
+class TailLayout:
+    """The small buffer that travels after a step's gradient buckets: a ``global_batch_size``
+    coverage vector and one loss value."""
 
-    n_grad: int
     global_batch_size: int
 
     @property
     def size(self) -> int:
-        return self.n_grad + self.global_batch_size + 1
+        return self.global_batch_size + 1
 
-    def fill_tail(self, buf: np.ndarray, offset: int, indices: np.ndarray, loss: float, share: float) -> None:
-        """Write this member's coverage slice and its share of the loss (gradients are the caller's)."""
-        cov = buf[self.n_grad : self.n_grad + self.global_batch_size]
+    def fill(self, buf: np.ndarray, offset: int, indices: np.ndarray, loss: float, share: float) -> None:
+        """Write this member's coverage slice and its share of the loss."""
+        cov = buf[: self.global_batch_size]
         cov[:] = 0
         cov[offset : offset + len(indices)] = np.asarray(indices, dtype=buf.dtype) + 1
         buf[-1] = loss * share
 
     def verify(self, buf: np.ndarray, expected: np.ndarray | None) -> tuple[bool, float]:
         """After the sum: (global batch covered exactly once, global mean loss)."""
-        cov = buf[self.n_grad : self.n_grad + self.global_batch_size]
-        ok = expected is not None and bool(np.array_equal(cov, expected))
+        ok = expected is not None and bool(np.array_equal(buf[: self.global_batch_size], expected))
         return ok, float(buf[-1])
 
 

@@ -8,8 +8,10 @@ The engine is asyncio code behind seams and touches no torch, clock, thread or s
 - ``WorkerAgent`` (the Host and process-group seams): quorum requests, heals, the all-reduce vote;
 - ``StepBody``: what runs between acquire and commit. Real runs hand each ticket to the user's
   thread (``Job.steps()`` in :mod:`phalanx.train.api`); the simulator sleeps the compute time in
-  virtual time and computes a numpy gradient (:mod:`phalanx.sim.worker`). The body calls
-  :meth:`StepEngine.vote` once with its buffer (layout in :mod:`phalanx.train.step_buffer`);
+  virtual time and computes a numpy gradient (:mod:`phalanx.sim.worker`). Each ticket carries the
+  step's :class:`~phalanx.train.exchange.Exchange`, open on the quorum's process group, so the body
+  starts its gradient buckets' all-reduces as they become ready; it then calls
+  :meth:`StepEngine.vote` once with the small tail (coverage and loss, :mod:`phalanx.train.step_buffer`);
 - ``TrainingState``: restore a checkpoint, load a heal, write a checkpoint, build and apply a
   local-sgd merge;
 - ``StepObserver``: spans and events (a worker's JSONL log, or the simulator's trace and checks).
@@ -30,6 +32,7 @@ from phalanx.core.errors import (
     CheckpointError, CollectiveError, CoordinatorLost, FinalStateUnavailable, HealError, JobFailed, JobOver,
     PeerTimeout, QuorumBroken, StaleEpoch, StateCorrupt, TransportError,
 )
+from phalanx.train.exchange import Exchange
 from phalanx.train.step_buffer import MergeLayout
 from phalanx.train.worker_agent import Assignment, HealedState, WorkerAgent
 
@@ -50,6 +53,7 @@ class Ticket:
     assignment: Assignment
     step: int
     local: bool = False  # local-sgd: a local step, no vote
+    exchange: Exchange | None = None  # the step's collectives (None for a local step)
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,7 @@ class StepEngine:
         self.ended_reason = ""
         self.last: Assignment | None = None
         self.max_world_size = 1  # the largest quorum this worker has been in
+        self._total = -1
 
     @property
     def now(self) -> float:
@@ -122,6 +127,7 @@ class StepEngine:
 
     async def run(self, total: int) -> None:
         """Train steps ``last committed + 1 .. total - 1``; returns holding the final state or raises."""
+        self._total = total
         try:
             if self.mode == "local-sgd":
                 await self._run_local_sgd(total)
@@ -139,7 +145,12 @@ class StepEngine:
             a = await self._acquire(step, total)
             if a.step >= total or a.catch_up:
                 return  # a catch-up restored or healed the final state
-            result = await self.body.run(Ticket(a, a.step))
+            ex = await self.agent.exchange(a)  # ready before the body computes: buckets start early
+            if ex.failed:  # the group did not form: say so (the step aborts) without computing
+                v = await self.vote(a, ex, None, lambda: (False, 0.0), 0.0)
+                result = BodyResult(False, 0, None, v.reason)
+            else:
+                result = await self.body.run(Ticket(a, a.step, exchange=ex))
             if result.committed:
                 await self._after_commit(a, a.step, result.loss)
                 step = a.step + 1
@@ -148,12 +159,19 @@ class StepEngine:
                 self.counters.steps_retried += 1
                 self.obs.event("rolled_back", step=a.step, quorum_id=a.quorum_id, reason=result.reason)
 
-    async def vote(self, a: Assignment, buffer: Any, verify: Callable[[Any], tuple[bool, float]],
+    async def vote(self, a: Assignment, ex: Exchange, tail: Any, verify: Callable[[], tuple[bool, float]],
                    compute_s: float) -> Vote:
-        """All-reduce ``buffer`` (in place) on the quorum and wait for the coordinator's verdict.
-        Never raises for faults: a lost vote is a rollback."""
+        """Finish the step's all-reduce (the buckets ``ex`` started, then ``tail``, in place) and
+        wait for the coordinator's verdict. Never raises for faults: a lost vote is a rollback.
+
+        The fast path: the report also asks for the next step's quorum, unless this is the last
+        step or this worker writes a checkpoint after it (it would start late, and a peer already
+        computing would wait for it): then it asks the normal way once it is ready.
+        """
+        nxt = a.step + 1
+        ask_next = nxt if 0 <= nxt < self._total and not a.write_checkpoint and self.mode != "local-sgd" else -1
         try:
-            d = await self.agent.allreduce(a, buffer, verify, compute_s)
+            d = await self.agent.allreduce(a, ex, tail, verify, compute_s, ask_next)
         except VOTE_LOST as e:
             return Vote(False, f"no commit decision: {e}")
         return Vote(d.commit, d.reason or ("" if d.commit else "step aborted"), d.loss)
@@ -317,7 +335,9 @@ class StepEngine:
         and the first merge is a plain average of identical states). Optimizer state stays local."""
         buffer, view = await self.state.merge_buffer(float(samples + 1), loss)
         t0 = self.now
-        v = await self.vote(a, buffer, lambda _b: MergeLayout.verify(view), 0.0)
+        ex = await self.agent.exchange(a)
+        ex.launch(buffer, 1.0)
+        v = await self.vote(a, ex, None, lambda: MergeLayout.verify(view), 0.0)
         self.obs.span("allreduce", t0, step=k, quorum_id=a.quorum_id, commit=v.commit, reason=v.reason)
         if not v.commit:
             return False

@@ -22,6 +22,7 @@ from phalanx.core.messages import (
     AllreduceDone, CheckpointUnusable, CheckpointWritten, Goodbye, Heartbeat, Hello, InjectFault, Progress, QuorumAssigned, QuorumBroken as QuorumBrokenMsg,
     QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
 )
+from phalanx.train.exchange import Exchange
 from phalanx.train.healing import Healing, HealedState
 
 __all__ = ["Assignment", "HealedState", "StateProvider", "WorkerAgent", "WorkerConfig"]
@@ -89,6 +90,10 @@ class WorkerAgent(Healing):
         self.shutdown_reason = ""
         self._conn: Connection | None = None
         self._assignment: asyncio.Future[Assignment] | None = None
+        # the fast path: the next step's request rode on the last report (and its grant may have
+        # come right behind the commit decision, before anyone waited for it), on this connection
+        self._asked: tuple[int, Connection] | None = None
+        self._early: tuple[Assignment, Connection] | None = None
         self._decisions: dict[tuple[int, int], asyncio.Future[StepDecision]] = {}
         self._broken: dict[int, asyncio.Event] = {}
         self._pg: ProcessGroup | None = None
@@ -175,6 +180,7 @@ class WorkerAgent(Healing):
         finally:
             if conn is self._conn:
                 self._lost.set()
+                self._asked = self._early = None
                 self._interrupt(None, CoordinatorLost("lost the coordinator during the step"))
                 err = CoordinatorLost("connection to the coordinator was lost")
                 for fut in [self._assignment, *self._decisions.values()]:
@@ -193,6 +199,8 @@ class WorkerAgent(Healing):
             self.max_quorum_id_seen = a.quorum_id
             if self._assignment is not None and not self._assignment.done():
                 self._assignment.set_result(a)
+            elif self._conn is not None:
+                self._early = (a, self._conn)  # granted on a piggybacked request: kept for its step
         elif isinstance(m, QuorumBrokenMsg):
             self._broken_event(m.quorum_id).set()
             self._interrupt(m.quorum_id, QuorumBroken(f"quorum {m.quorum_id} was broken by the coordinator"))
@@ -219,14 +227,21 @@ class WorkerAgent(Healing):
     async def wait_for_quorum(self, step: int, total_steps: int = -1, timeout_s: float | None = None) -> Assignment:
         """Ask for a quorum for our next step; returns this member's assignment.
 
-        With ``timeout_s`` (local-sgd's non-blocking sync) the request is withdrawn when it expires,
-        so the coordinator does not put a worker that stopped waiting into a quorum.
+        When the request already rode on the last step's report (the fast path), nothing is sent:
+        the grant may even be here already. With ``timeout_s`` (local-sgd's non-blocking sync)
+        the request is withdrawn when it expires, so the coordinator does not put a worker that
+        stopped waiting into a quorum.
         """
+        asked, early = self._asked, self._early
+        self._asked = self._early = None
+        if early is not None and early[1] is self._conn and early[0].step == step and self.connected:
+            return early[0]
         if not self.connected:
             await self.reconnect()
         self._assignment = asyncio.get_running_loop().create_future()
-        await self._send(QuorumRequest(step=step, last_committed_step=self.last_committed_step,
-                                       has_state=self.has_state, total_steps=total_steps))
+        if asked is None or asked != (step, self._conn):
+            await self._send(QuorumRequest(step=step, last_committed_step=self.last_committed_step,
+                                           has_state=self.has_state, total_steps=total_steps))
         limit_s = self.cfg.quorum_timeout_s if timeout_s is None else timeout_s
         try:
             return await asyncio.wait_for(self._assignment, limit_s)
@@ -251,36 +266,60 @@ class WorkerAgent(Healing):
         self._pg = await self._race_broken(a, self._pg_factory.create(a.quorum_id, a.rank, a.world_size, timeout_s))
         return self._pg
 
-    async def allreduce(self, a: Assignment, tensor: Any, verify: Callable[[Any], tuple[bool, float]],
-                        compute_s: float) -> StepDecision:
-        """All-reduce ``tensor`` (sum, in place), report the outcome, and wait for the verdict.
+    async def exchange(self, a: Assignment) -> Exchange:
+        """This attempt's collectives on the quorum's process group (formed now if it is new), so
+        the body can start all-reducing gradient buckets while it still computes. A group that
+        cannot form gives a broken exchange: the vote then reports the failure."""
+        try:
+            return Exchange(await self.process_group(a))
+        except (CollectiveError, QuorumBroken) as e:
+            return Exchange.broken(str(e))
 
-        ``verify`` inspects the reduced buffer and returns (global batch covered exactly once,
-        global loss); both ride in the buffer itself, so the accounting is what really moved.
+    async def allreduce(self, a: Assignment, ex: Exchange, tail: Any, verify: Callable[[], tuple[bool, float]],
+                        compute_s: float, next_step: int = -1) -> StepDecision:
+        """Start ``tail`` after the buckets the body launched, wait for them all, report the
+        outcome (asking for ``next_step``'s quorum on the same message when >= 0), and wait for
+        the verdict.
+
+        ``verify`` inspects the reduced tail and returns (global batch covered exactly once,
+        global loss); both ride in the data itself, so the accounting is what really moved.
         """
         key = (a.step, a.quorum_id)
         self._decisions[key] = asyncio.get_running_loop().create_future()
         t0 = self.host.now()
         ok, error = True, ""
+        # the progress mark is not awaited: the collective need not wait for a send
+        self.host.spawn(self._send_quiet(Progress(step=a.step, quorum_id=a.quorum_id, phase="allreduce")), "progress")
         try:
-            pg = await self.process_group(a)
-            await self._send(Progress(step=a.step, quorum_id=a.quorum_id, phase="allreduce"))
+            if tail is not None:
+                ex.launch(tail, 0.0)
             timeout_s = self.welcome.collective_timeout_s if self.welcome else 5.0
-            await self._race_broken(a, pg.allreduce_sum(tensor, timeout_s))
+            await self._race_broken(a, ex.complete(timeout_s, self.host.now))
         except CollectiveError as e:
             ok, error = False, str(e)
         except QuorumBroken as e:
             ok, error = False, str(e)
-        covered_once, loss = verify(tensor) if ok else (False, 0.0)
+        covered_once, loss = verify() if ok else (False, 0.0)
+        conn = self._conn
         await self._send(AllreduceDone(step=a.step, quorum_id=a.quorum_id, ok=ok, error=error,
                                        loss=loss, samples_covered_once=covered_once,
-                                       compute_s=compute_s, allreduce_s=self.host.now() - t0))
+                                       compute_s=compute_s, allreduce_s=self.host.now() - t0,
+                                       next_step=next_step if ok else -1))
         try:
-            return await asyncio.wait_for(self._decisions[key], self.cfg.decision_timeout_s)
+            d = await asyncio.wait_for(self._decisions[key], self.cfg.decision_timeout_s)
         except asyncio.TimeoutError as e:
             raise PeerTimeout(f"no commit decision for step {a.step} within {self.cfg.decision_timeout_s:.0f} s") from e
         finally:
             self._decisions.pop(key, None)
+        if d.commit and ok and next_step >= 0 and conn is not None:
+            self._asked = (next_step, conn)
+        return d
+
+    async def _send_quiet(self, message: Any) -> None:
+        try:
+            await self._send(message)
+        except CoordinatorLost:
+            pass
 
     async def _race_broken(self, a: Assignment, coro: Any) -> Any:
         """Run ``coro`` unless the coordinator declares this quorum broken (or is lost) first.

@@ -1,0 +1,72 @@
+"""One step attempt's collectives: gradient buckets started as they become ready, then the tail.
+
+The engine opens an ``Exchange`` on the quorum's process group before the body runs, so a body
+can start each gradient bucket's all-reduce the moment its gradients are ready: real runs from
+the autograd hooks of the backward pass, on the user's thread (what DDP's reducer does), the
+simulator from its loop. The vote then starts the small tail (coverage and loss), waits for
+everything with one deadline, and only then reports. Order is the contract: every rank starts the
+same collectives in the same order (buckets by index, then the tail), whoever starts them.
+
+No torch, thread or clock here: tensors are opaque and the process group is the seam.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from phalanx.collectives.process_group import Pending, ProcessGroup
+from phalanx.core.errors import CollectiveError
+
+
+class Exchange:
+    """The collectives of one attempt at one step on one quorum's process group.
+
+    ``launch`` may be called from the body's thread; ``complete`` runs on the control loop after
+    the body has launched everything it will (it is blocked in the vote meanwhile).
+    """
+
+    def __init__(self, pg: ProcessGroup | None, failed: str = "") -> None:
+        self.pg = pg
+        self.failed = failed  # why this attempt cannot all-reduce ("" = it can)
+        self._pending: list[Pending] = []
+        self._queued: list[tuple[Any, float]] = []  # to issue from the loop, in order
+        self._lock = threading.Lock()
+        self.launched = 0
+
+    @classmethod
+    def broken(cls, why: str) -> "Exchange":
+        return cls(None, why)
+
+    def launch(self, tensor: Any, share: float = 1.0) -> None:
+        """Start summing ``tensor`` in place across the quorum (or queue it, keeping the order)."""
+        with self._lock:
+            self.launched += 1
+            if self.failed or self.pg is None:
+                return
+            if not self._queued:
+                try:
+                    pending = self.pg.start_allreduce_sum(tensor, share)
+                except CollectiveError as e:
+                    self.failed = str(e)
+                    return
+                if pending is not None:
+                    self._pending.append(pending)
+                    return
+            self._queued.append((tensor, share))  # after the first deferral, everything follows in order
+
+    async def complete(self, timeout_s: float, now: Callable[[], float]) -> None:
+        """Issue what was queued, then wait for every collective (one deadline for all).
+        Raises CollectiveError; a cancelled wait abandons the group (the step was aborted)."""
+        if self.failed or self.pg is None:
+            raise CollectiveError(self.failed or "no process group")
+        deadline_s = now() + timeout_s
+        try:
+            for pending in self._pending:
+                await pending.wait(max(deadline_s - now(), 0.001))
+            for tensor, _share in self._queued:
+                await self.pg.allreduce_sum(tensor, max(deadline_s - now(), 0.001))
+        except CollectiveError as e:
+            self.failed = str(e)
+            raise

@@ -1,0 +1,169 @@
+"""Gradient buckets: all-reduce during backward, into buffers the ``.grad`` tensors are views of.
+
+What DDP's reducer does, for the tracked model: parameters are grouped, in reverse registration
+order (roughly the order backward produces their gradients), into flat buckets of at most
+``bucket_bytes``. A post-accumulate-grad hook on each parameter counts its bucket down; when a
+bucket is complete (and every bucket before it has started: every rank must start its collectives
+in the same order) it is scaled by this worker's share of the global batch and its all-reduce
+starts at once, while backward goes on with earlier layers. Once a parameter's ``.grad`` is a view
+of its bucket, autograd accumulates into the bucket itself and the reduced sum lands where the
+optimizer reads it: no flatten, no copy back. (An optimizer's ``zero_grad(set_to_none=True)``
+drops the view; the next hook copies the fresh gradient in and re-points ``.grad``: one copy, inside
+backward, as DDP does.)
+
+The buckets are built once and reused by every step that commits; after one that does not, they
+get fresh memory (an abandoned collective may still write into the old). The gradients of one step must
+come from one backward pass: a second one would add into a bucket already on the wire, so it is
+refused with a clear error (``job.track(..., overlap=False)`` for gradient accumulation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from phalanx.core.errors import ConfigError
+
+DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
+
+
+@dataclass
+class _Bucket:
+    index: int
+    flat: torch.Tensor
+    params: list[torch.nn.Parameter]
+    views: list[torch.Tensor]
+    numel: int
+    ready: int = 0  # parameters whose gradient has arrived this step
+    started: bool = False
+    seen: set[int] = field(default_factory=set)
+
+
+class GradientBuckets:
+    def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        if bucket_bytes <= 0:
+            raise ConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[_Bucket, int]] = {}  # id(param) -> (bucket, position in it)
+        self._build(bucket_bytes)
+        self.total_numel = sum(b.numel for b in self.buckets)
+        self._exchange: Any = None  # armed for a step: its Exchange
+        self._share = 0.0
+        self._next = 0  # the next bucket index to start (in order)
+        self.error = ""
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def _build(self, bucket_bytes: int) -> None:
+        groups: list[list[torch.nn.Parameter]] = []
+        size = 0
+        for p in reversed(self.params):
+            nbytes = p.numel() * p.element_size()
+            same_kind = groups and groups[-1][0].dtype == p.dtype and groups[-1][0].device == p.device
+            if not groups or not same_kind or size + nbytes > bucket_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += nbytes
+        for i, ps in enumerate(groups):
+            n = sum(p.numel() for p in ps)
+            flat = torch.zeros(n, dtype=ps[0].dtype, device=ps[0].device)
+            views, pos = [], 0
+            for p in ps:
+                views.append(flat[pos : pos + p.numel()].view_as(p))
+                pos += p.numel()
+            b = _Bucket(i, flat, ps, views, n)
+            for j, p in enumerate(ps):
+                self._where[id(p)] = (b, j)
+            self.buckets.append(b)
+
+    @property
+    def device(self) -> torch.device:
+        return self.buckets[0].flat.device if self.buckets else torch.device("cpu")
+
+    # ---- one step ----
+    def arm(self, exchange: Any, share: float) -> None:
+        """The step's shard is known: buckets completed from now on start their all-reduce."""
+        self._exchange, self._share = exchange, share
+        self._next, self.error = 0, ""
+        for b in self.buckets:
+            b.ready, b.started = 0, False
+            b.seen.clear()
+
+    @property
+    def armed(self) -> bool:
+        return self._exchange is not None
+
+    def disarm(self) -> None:
+        self._exchange = None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Autograd's post-accumulate hook (on the backward's thread)."""
+        if self._exchange is None:
+            return
+        b, j = self._where[id(p)]
+        if b.started or j in b.seen:
+            self.error = ("a parameter's gradient arrived twice in one step (a second backward, or a "
+                          "parameter used after its bucket was sent): call backward once per step, or "
+                          "job.track(..., overlap=False) to accumulate gradients")
+            return
+        self._adopt(b, j)
+        b.seen.add(j)
+        b.ready += 1
+        self._start_ready()
+
+    def _adopt(self, b: _Bucket, j: int) -> None:
+        """Make the parameter's ``.grad`` the bucket's view (copying a fresh gradient in)."""
+        p, view = b.params[j], b.views[j]
+        g = p.grad
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() != view.data_ptr():
+            view.copy_(g)
+        p.grad = view
+
+    def _start_ready(self) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if b.ready < len(b.params):
+                return
+            self._start(b)
+
+    def _start(self, b: _Bucket) -> None:
+        b.started = True
+        b.flat.mul_(self._share)
+        self._exchange.launch(b.flat, b.numel / max(self.total_numel, 1))
+        self._next += 1
+
+    def finish(self) -> str:
+        """After backward: start every bucket not started yet, in order (parameters without a
+        gradient this step contribute zeros). Returns the error, if the step's gradients were
+        unusable ("" if fine)."""
+        for b in self.buckets[self._next :]:
+            for j in range(len(b.params)):
+                if j not in b.seen:
+                    self._adopt(b, j)
+            self._start(b)
+        self._exchange = None
+        return self.error
+
+    def renew(self) -> None:
+        """After a step that did not commit: fresh memory for every bucket. A collective that was
+        abandoned (a member froze, the quorum broke) may still be inside Gloo holding the old
+        buffers, and may yet complete, e.g. when the frozen member wakes, and write into them: so
+        they are never used again (the abandoned work keeps them alive, not us)."""
+        for b in self.buckets:
+            b.flat = torch.zeros_like(b.flat)
+            pos = 0
+            for j, p in enumerate(b.params):
+                b.views[j] = b.flat[pos : pos + p.numel()].view_as(p)
+                pos += p.numel()
+        for p in self.params:
+            p.grad = None
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,107 @@
+"""Gradient buckets: started in order from autograd hooks during backward, into buffers the
+``.grad`` tensors are views of; the reduced gradient is where the optimizer reads it."""
+
+import pytest
+import torch
+
+from phalanx.train.grad_buckets import GradientBuckets
+
+
+class RecordingExchange:
+    """Sums like a quorum of ``world`` identical ranks would, and records what started when."""
+
+    def __init__(self, world=2):
+        self.world, self.started = world, []
+
+    def launch(self, tensor, share=1.0):
+        self.started.append((tensor.data_ptr(), tensor.numel(), round(share, 6)))
+        tensor.mul_(self.world)  # the sum over identical ranks
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _loss(m):
+    torch.manual_seed(1)
+    return m(torch.randn(5, 8)).pow(2).mean()
+
+
+def test_buckets_start_during_backward_in_order_and_grads_are_their_views():
+    ref = _model()
+    _loss(ref).backward()
+    m = _model()
+    b = GradientBuckets(list(m.parameters()), bucket_bytes=4 * 300)  # several buckets
+    assert len(b.buckets) >= 3
+    ex = RecordingExchange(world=2)
+    b.arm(ex, share=0.5)
+    _loss(m).backward()
+    started_in_backward = len(ex.started)
+    assert started_in_backward == len(b.buckets)  # every bucket left during backward
+    assert [s[0] for s in ex.started] == [bk.flat.data_ptr() for bk in b.buckets]  # in index order
+    assert b.finish() == ""
+    assert len(ex.started) == started_in_backward  # nothing left to start
+    for p, q in zip(m.parameters(), ref.parameters()):
+        # share 0.5 summed over 2 identical ranks: the plain gradient
+        assert torch.allclose(p.grad, q.grad, atol=1e-7)
+        assert any(p.grad.data_ptr() == v.data_ptr() for bk in b.buckets for v in bk.views)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_later_steps_reuse_the_buckets_whatever_zero_grad_does(set_to_none):
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ref = _model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    b = GradientBuckets(list(m.parameters()), bucket_bytes=4 * 300)
+    flats = [bk.flat.data_ptr() for bk in b.buckets]
+    for _ in range(3):
+        ex = RecordingExchange(world=1)
+        b.arm(ex, share=1.0)
+        _loss(m).backward()
+        b.finish()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        _loss(ref).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert [s[0] for s in ex.started] == flats  # the same memory every step
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_second_backward_in_one_step_is_refused_not_silently_summed():
+    m = _model()
+    b = GradientBuckets(list(m.parameters()))
+    b.arm(RecordingExchange(), share=1.0)
+    _loss(m).backward()
+    _loss(m).backward()
+    assert "gradient arrived twice" in b.finish()
+
+
+def test_unused_parameters_contribute_zeros_and_their_bucket_still_starts():
+    m = _model()
+    extra = torch.nn.Linear(3, 3)  # never used in the forward pass
+    b = GradientBuckets(list(m.parameters()) + list(extra.parameters()), bucket_bytes=1 << 20)
+    ex = RecordingExchange(world=1)
+    b.arm(ex, share=1.0)
+    _loss(m).backward()
+    assert ex.started == []  # the one bucket waits for the unused parameters' gradients
+    b.finish()
+    assert len(ex.started) == 1 and torch.count_nonzero(extra.weight.grad) == 0
+
+
+def test_after_a_step_that_did_not_commit_the_buckets_get_fresh_memory():
+    m = _model()
+    b = GradientBuckets(list(m.parameters()))
+    old = [bk.flat for bk in b.buckets]
+    b.renew()
+    assert all(o.data_ptr() != bk.flat.data_ptr() for o, bk in zip(old, b.buckets))
+    assert all(p.grad is None for p in m.parameters())
+    ex = RecordingExchange(world=1)
+    b.arm(ex, share=1.0)
+    _loss(m).backward()
+    b.finish()
+    assert [s[0] for s in ex.started] == [bk.flat.data_ptr() for bk in b.buckets]
