@@ -1,7 +1,14 @@
-"""Training benchmark: phalanx strict mode vs plain torch DDP (Gloo), side by side in one run, plus
-detection and recovery times for kill, freeze and GIL hang.
+"""Training benchmark: plain torch DDP (Gloo) vs phalanx strict and available, side by side in
+one run with alternating repeats, on the bundled model and MLPs of ~6 M and ~25 M parameters, at
+2 and 4 workers; then detection and recovery times for kill, freeze and GIL hang.
 
-    python -m phalanx.bench training [--workers 4] [--steps 150] [--out runs/bench/training.json]
+    python -m phalanx.bench training [--workloads charlm,mlp-6m,mlp-25m] [--workers 2,4]
+                                     [--repeats 3] [--out runs/bench/training.json]
+
+Both sides run the same model, batches and optimizer, one thread per process, and time a step the
+same way: loop top to loop top on the first worker (rank 0), median after a warm-up. Each repeat
+runs the three systems back to back in a rotating order, so the machine's noise hits all of them;
+a ratio is phalanx / DDP within one repeat, and every pair is reported.
 """
 
 from __future__ import annotations
@@ -19,37 +26,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from phalanx.bench.workloads import WORKLOADS
+from phalanx.core.modes import ConsistencyMode, ModeConfig
 from phalanx.faults.plan import parse_fault_plan
 from phalanx.runtime.launcher import LaunchConfig, launch, python_argv
 
-WARMUP_STEPS = 10
-
-
-def run_ddp(workers: int, steps: int) -> list[float]:
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ddp.json"
-        procs = [subprocess.Popen([sys.executable, "-m", "phalanx.bench.ddp_worker", str(r), str(workers),
-                                   str(store.port), str(steps), str(out)]) for r in range(workers)]
-        for p in procs:
-            if p.wait(timeout=600) != 0:
-                raise RuntimeError(f"DDP worker exited with {p.returncode}")
-        return json.loads(out.read_text())["step_s"]
-
-
-def run_phalanx(workers: int, steps: int, run_dir: Path, plan_text: str = "") -> Any:
-    plan = parse_fault_plan(plan_text, "<bench>") if plan_text else None
-    argv = python_argv("phalanx.workload.charlm_train", "--steps", str(steps))
-    cfg = LaunchConfig(argv=argv, workers=workers, run_dir=run_dir, restart_failed=True, total_steps=steps,
-                       show_progress=False, **({"fault_plan": plan} if plan else {}))
-    res = launch(cfg)
-    if not res.ok:
-        raise RuntimeError(f"phalanx run failed: {res.reason}")
-    return res
-
-
+WARMUP_STEPS = 5
+STEPS = {"charlm": 60, "mlp-6m": 40, "mlp-25m": 25}
+SYSTEMS = ("ddp", "strict", "available")
 FAULTS = {
     "kill": '[[fault]]\nkind = "kill"\nworker = 1\nat_step = 30\nrestart = true\n',
     "freeze": '[[fault]]\nkind = "freeze"\nworker = 2\nat_step = 30\nfor_s = 3.0\n',
@@ -57,52 +41,120 @@ FAULTS = {
 }
 
 
+def run_ddp(workers: int, steps: int, workload: str = "charlm") -> list[float]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ddp.json"
+        procs = [subprocess.Popen([sys.executable, "-m", "phalanx.bench.ddp_worker", str(r), str(workers),
+                                   str(store.port), str(steps), str(out), workload]) for r in range(workers)]
+        for p in procs:
+            if p.wait(timeout=900) != 0:
+                raise RuntimeError(f"DDP worker exited with {p.returncode}")
+        return json.loads(out.read_text())["step_s"]
+
+
+def run_phalanx(workers: int, steps: int, run_dir: Path, plan_text: str = "", workload: str = "",
+                mode: str = "strict") -> Any:
+    plan = parse_fault_plan(plan_text, "<bench>") if plan_text else None
+    argv = (python_argv("phalanx.bench.phx_worker", str(steps), workload) if workload
+            else python_argv("phalanx.workload.charlm_train", "--steps", str(steps)))
+    cfg = LaunchConfig(argv=argv, workers=workers, run_dir=run_dir, restart_failed=True, total_steps=steps,
+                       show_progress=False, modes=ModeConfig(mode=ConsistencyMode(mode)),
+                       **({"fault_plan": plan} if plan else {}))
+    res = launch(cfg)
+    if not res.ok:
+        raise RuntimeError(f"phalanx run failed: {res.reason}")
+    return res
+
+
+def _phalanx_step_s(workers: int, steps: int, run_dir: Path, workload: str, mode: str) -> list[float]:
+    run_phalanx(workers, steps, run_dir, workload=workload, mode=mode)
+    return json.loads((run_dir / "workers" / "w0.steps.json").read_text())["step_s"]
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{min(xs):.2f}–{max(xs):.2f}" if len(xs) > 1 else f"{xs[0]:.2f}"
+
+
+def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: Console, tmp: Path) -> list[dict[str, Any]]:
+    rows = []
+    total = len(workloads) * len(worker_counts) * repeats * len(SYSTEMS)
+    done = 0
+    for name in workloads:
+        for n in worker_counts:
+            med: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+            for r in range(repeats):
+                order = SYSTEMS[r % 3:] + SYSTEMS[: r % 3]  # rotate who goes first
+                for system in order:
+                    done += 1
+                    con.print(f"[{done}/{total}] {name}, {n} workers, repeat {r + 1}: {system}")
+                    steps = STEPS.get(name, 40)
+                    if system == "ddp":
+                        step_s = run_ddp(n, steps, name)
+                    else:
+                        step_s = _phalanx_step_s(n, steps, tmp / f"{name}-{n}-{system}-{r}", name, system)
+                    med[system].append(statistics.median(step_s[WARMUP_STEPS:]))
+            row: dict[str, Any] = {"workload": name, "workers": n, "median_step_s": med}
+            for system in SYSTEMS[1:]:
+                ratios = [p / d for p, d in zip(med[system], med["ddp"])]
+                row[f"{system}_ratios"] = ratios
+                row[f"{system}_ratio_median"] = statistics.median(ratios)
+            rows.append(row)
+    return rows
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--repeats", type=int, default=2, help="alternating DDP/phalanx pairs")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--workers", default="2,4", help="comma-separated worker counts")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating DDP/strict/available rounds")
+    ap.add_argument("--no-faults", action="store_true", help="skip the detection/recovery runs")
     ap.add_argument("--out", default="runs/bench/training.json")
     args = ap.parse_args()
     con = Console(stderr=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    ddp_med, phx_med = [], []
+    workloads = [w for w in args.workloads.split(",") if w]
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        ap.error(f"unknown workload(s) {', '.join(bad)}: choose from {', '.join(WORKLOADS)}")
+    counts = [int(x) for x in args.workers.split(",") if x]
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeats):  # alternate so machine noise hits both sides alike
-            con.print(f"[{i + 1}/{args.repeats}] plain DDP, {args.workers} workers, {args.steps} steps")
-            ddp_med.append(statistics.median(run_ddp(args.workers, args.steps)[WARMUP_STEPS:]))
-            con.print(f"[{i + 1}/{args.repeats}] phalanx strict, same model and batches")
-            res = run_phalanx(args.workers, args.steps, Path(tmp) / f"phx{i}")
-            phx_med.append(statistics.median([c.step_s for c in res.commits][WARMUP_STEPS:]))
+        rows = compare(workloads, counts, args.repeats, con, Path(tmp))
         faults = {}
-        for kind, text in FAULTS.items():
-            con.print(f"fault run: {kind}")
-            res = run_phalanx(args.workers, 60, Path(tmp) / f"fault-{kind}", text)
-            faults[kind] = res.faults[0] if res.faults else None
-    ddp_s, phx_s = min(ddp_med), min(phx_med)
-    result = {
-        "command": "python -m phalanx.bench training " + " ".join(sys.argv[1:]),
-        "workers": args.workers, "steps": args.steps,
-        "ddp_step_s_median": ddp_s, "phalanx_step_s_median": phx_s,
-        "overhead_ratio": phx_s / ddp_s, "overhead_pct": 100 * (phx_s / ddp_s - 1),
-        "runs": {"ddp": ddp_med, "phalanx": phx_med},
-        "faults": faults,
-        "unix_s": time.time(),
-    }
+        if not args.no_faults:
+            for kind, text in FAULTS.items():
+                con.print(f"fault run: {kind}")
+                res = run_phalanx(4, 60, Path(tmp) / f"fault-{kind}", text)
+                faults[kind] = res.faults[0] if res.faults else None
+    result = {"command": "python -m phalanx.bench training " + " ".join(sys.argv[1:]), "repeats": args.repeats,
+              "warmup_steps": WARMUP_STEPS, "rows": rows, "faults": faults, "unix_s": time.time()}
     out.write_text(json.dumps(result, indent=2))
-    t = Table(title="phalanx vs plain DDP (Gloo), bundled model")
-    t.add_column("measure")
-    t.add_column("value")
-    t.add_row("DDP step (median)", f"{ddp_s * 1000:.1f} ms")
-    t.add_row("phalanx strict step (median)", f"{phx_s * 1000:.1f} ms")
-    t.add_row("overhead", f"{result['overhead_pct']:+.1f} %")
-    for kind, f in faults.items():
-        if f:
-            t.add_row(f"{kind}: detected / recovered", f"{f['detected_after_s']} s / {f['recovered_after_s']} s")
+    t = Table(title="phalanx vs plain DDP (Gloo): median step, ratio per alternating pair")
+    for col in ("workload", "workers", "DDP ms", "strict ms", "available ms", "strict / DDP", "available / DDP"):
+        t.add_column(col)
+    for row in rows:
+        m = row["median_step_s"]
+        t.add_row(row["workload"], str(row["workers"]),
+                  *(f"{statistics.median(m[s]) * 1000:.1f}" for s in SYSTEMS),
+                  f"{row['strict_ratio_median']:.2f} ({_spread(row['strict_ratios'])})",
+                  f"{row['available_ratio_median']:.2f} ({_spread(row['available_ratios'])})")
     Console().print(t)
+    if faults:
+        ft = Table(title="detection and recovery (4 workers, bundled model)")
+        ft.add_column("fault")
+        ft.add_column("detected after")
+        ft.add_column("recovered after")
+        for kind, f in faults.items():
+            if f:
+                ft.add_row(kind, f"{f['detected_after_s']} s", f"{f['recovered_after_s']} s")
+        Console().print(ft)
     print(f"wrote {out}")
     return 0
+
+
 
 
 if __name__ == "__main__":

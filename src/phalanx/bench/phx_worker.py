@@ -1,0 +1,44 @@
+"""The same workload through phalanx's public API (the README quickstart loop), timed the same way
+as the DDP baseline: loop top to loop top on every worker.
+
+    phalanx launch --workers N -- python -m phalanx.bench.phx_worker STEPS WORKLOAD
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+import phalanx
+from phalanx.bench.workloads import build
+
+
+def main() -> None:
+    steps, name = int(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    w = build(name)
+    job = phalanx.join()
+    job.track(model=w.model, optimizer=w.optimizer)
+    marks = []
+    loss = torch.zeros(())
+    for step in job.steps(steps):
+        marks.append(time.perf_counter())
+        idx = step.shard(w.dataset_size, w.global_batch_size)
+        x, y = w.batch(idx)
+        loss = w.loss(w.model(x), y)
+        loss.backward()
+        step.allreduce_gradients(w.model, loss=loss)
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+    marks.append(time.perf_counter())
+    (job.run_dir / "workers" / f"{job.worker_id}.steps.json").write_text(json.dumps(
+        {"step_s": [b - a for a, b in zip(marks, marks[1:])], "parameters": w.parameters,
+         "final_loss": loss.item(), "retried": job.counters.steps_retried}))
+    job.close()
+
+
+if __name__ == "__main__":
+    main()
