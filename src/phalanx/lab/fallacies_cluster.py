@@ -16,7 +16,7 @@ from phalanx.core.modes import ConsistencyMode, ModeConfig
 from phalanx.lab.context import LabContext
 from phalanx.lab.jobs import JobRun, run_real, run_sim
 from phalanx.lab.fallacies import bar_plot
-from phalanx.lab.outcome import Outcome
+from phalanx.lab.outcome import Outcome, new_figure, png
 from phalanx.lab.sandboxes import forged_frame_trial, foreign_folder_trial
 from phalanx.lab.switches import ALL_ON, LabSwitches, off
 from phalanx.sim.scenario import Scenario
@@ -46,7 +46,9 @@ def secure_network(ctx: LabContext) -> Outcome:
                    "frames); OFF = the cluster key is public (empty), so the attacker can compute valid MACs.",
                    ["run", "attacker's handshake", "forged frames accepted", "genuine frames accepted",
                     "rejections counted"], rows, para, "forged frame accepted with authentication off, refused on",
-                   held, trials, {})
+                   held, trials, {"forged.png": bar_plot("forged frames delivered to the victim", list(trials),
+                                                         [float(v["forged_accepted"]) for v in trials.values()],
+                                                         "frames")})
 
 
 # ---- 5. topology doesn't change ----
@@ -58,7 +60,7 @@ def fixed_topology(ctx: LabContext) -> Outcome:
 
     if ctx.sim:
         ctx.say("no simulator form (its Cluster has no min_workers seam): running real processes")
-    rows, data = [], {}
+    rows, data, timelines = [], {}, {}
     for label, sw in (("elastic quorum", ALL_ON), ("fixed world OFF", off("elastic_membership"))):
         ctx.say(f"w2 leaves for good at 1 s, {label}, real processes ...")
         # the fixed world stands still once w2 is gone: the wall-clock limit is the lab's deadline for it
@@ -66,6 +68,7 @@ def fixed_topology(ctx: LabContext) -> Outcome:
                        max_wall_s=90.0 if sw.elastic_membership else FIXED_WORLD_DEADLINE_S, stall_timeout_s=6.0)
         data[label] = {"ok": job.ok, "reason": job.reason, "steps_committed": job.steps_committed(),
                        "steps": steps}
+        timelines[label] = job.commit_times_s()
         rows.append([label, f"{job.steps_committed()} / {steps}", job.steps_committed() == steps, job.reason or "-"])
     e, f = data["elastic quorum"], data["fixed world OFF"]
     held = e["steps_committed"] == steps and f["steps_committed"] < steps
@@ -77,7 +80,20 @@ def fixed_topology(ctx: LabContext) -> Outcome:
                    f"{workers} real worker processes, {steps} steps; w2 SIGKILLed at 1 s, no restart; OFF = "
                    f"min_workers = {workers}, stopped by a {FIXED_WORLD_DEADLINE_S:.0f} s wall-clock deadline.",
                    ["run", "steps committed", "all steps committed", "launcher's verdict"], rows, para,
-                   "elastic: every step commits; fixed world: the job stops short", held, data, {})
+                   "elastic: every step commits; fixed world: the job stops short", held, data,
+                   {"commits.png": _commit_plot(timelines)})
+
+
+def _commit_plot(timelines: dict[str, list[float]]) -> bytes:
+    fig, ax = new_figure(6.5, 3.4)
+    for label, times in timelines.items():
+        t0 = times[0] if times else 0.0
+        ax.step([t - t0 for t in times], range(1, len(times) + 1), where="post", label=label)
+    ax.set_xlabel("time since the first commit (s)")
+    ax.set_ylabel("steps committed")
+    ax.set_title("a worker leaves for good at 1 s")
+    ax.legend()
+    return png(fig)
 
 
 # ---- 6. there is one administrator ----
@@ -97,7 +113,9 @@ def one_administrator(ctx: LabContext) -> Outcome:
                    "Sandbox: runtime/run_dir.py's claim_run_dir and clear_run_outputs on a folder phalanx did not "
                    "create; OFF = the folder is adopted without checking for the .phalanx-run marker.",
                    ["run", "their files", "files deleted", "refusal"], rows, para,
-                   "with the check: 0 files deleted; without: > 0", held, trials, {})
+                   "with the check: 0 files deleted; without: > 0", held, trials,
+                   {"deleted.png": bar_plot("their files deleted", list(trials),
+                                            [float(v["files_deleted"]) for v in trials.values()], "files")})
 
 
 # ---- 8. the network is homogeneous ----
