@@ -38,3 +38,20 @@ def test_equal_shares_let_a_slow_worker_set_the_pace(tmp_path):
     adaptive, equal = o.data["speed-sized shares"], o.data["equal shares OFF"]
     assert adaptive["ok"] and equal["ok"]
     assert equal["median_step_s"] > 1.3 * adaptive["median_step_s"]
+
+
+def test_a_restarted_coordinator_without_its_fencing_floor_lets_workers_diverge(tmp_path):
+    o = run_quick("fencing", tmp_path)
+    on, off = o.data["fencing ON"], o.data["fencing OFF"]
+    assert on["violations"] == 0 and on["ok"]
+    assert off["workers diverged at a step"] > 0 and off["quorum ids reused"] > 0 and not off["ok"]
+
+
+def test_the_unfenced_cluster_is_refused_outside_the_lab():
+    import pytest
+
+    from phalanx.core.errors import ConfigError
+    from phalanx.lab.fencing import UnfencedCluster
+
+    with pytest.raises(ConfigError):
+        UnfencedCluster(workers=2, steps=2)

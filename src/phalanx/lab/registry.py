@@ -43,6 +43,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("fallacy-fixed-topology", "fallacies_cluster",
                "a worker leaves for good: elastic quorum vs a fixed world",
                attr="fixed_topology"),
+    Experiment("fencing", "fencing", "a coordinator restart under a stale epoch, with and without its fencing floor",
+               sim_by_default=True),
     Experiment("fallacy-one-administrator", "fallacies_cluster",
                "someone else's folder as --out: ownership check on/off",
                attr="one_administrator", where="sandbox"),

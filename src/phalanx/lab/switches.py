@@ -32,6 +32,7 @@ OFF_MEANS = {
     "deadlines": "heartbeat, progress and collective timeouts set to a day: nothing is ever declared dead",
     "progress_detector": "progress timeout set to a day: a worker that heartbeats is never suspected",
     "collective_deadline": "all-reduce deadline set to a day: members wait for a missing peer forever",
+    "fencing": "a restarted coordinator starts without its predecessor's durable floor of quorum ids and steps",
     "authentication": "frames verified by a receiver that holds no cluster key (sandbox)",
     "timeout_margin": "heartbeat timeout sized for a local link (interval + 50 ms = 0.15 s) instead of 0.6 s",
     "bandwidth_optimal_allreduce": "tree all-reduce (log p full copies) instead of the ring (2 x 1/p)",
@@ -47,6 +48,7 @@ class LabSwitches:
     deadlines: bool = True
     progress_detector: bool = True
     collective_deadline: bool = True
+    fencing: bool = True
     authentication: bool = True
     timeout_margin: bool = True
     bandwidth_optimal_allreduce: bool = True
