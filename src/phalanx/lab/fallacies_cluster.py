@@ -156,7 +156,3 @@ def _hetero_job(ctx: LabContext, label: str, workers: int, steps: int, faults: A
         return run_sim(workers, steps, faults, seed=ctx.seed, sw=sw, modes=modes, step_compute_s=0.05)
     return run_real(ctx.sub(label.split()[0]), workers, steps, faults, seed=ctx.seed, sw=sw, modes=modes,
                     min_step_s=0.0, max_wall_s=120.0)
-
-
-def summary_of(data: dict[str, Any]) -> str:
-    return ", ".join(f"{k}: {v}" for k, v in data.items())

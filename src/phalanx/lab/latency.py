@@ -7,6 +7,7 @@ checks the direction on real processes: the same job before and after 5 ms is ad
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from phalanx.lab.context import LabContext
@@ -66,9 +67,13 @@ def real_point(ctx: LabContext) -> dict[str, Any]:
     times = [float(e["t"]) for e in t]
     before = [b - a for a, b in zip(times, times[1:]) if b < t_inj]
     after = [b - a for a, b in zip(times, times[1:]) if a > t_inj]
-    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
-    return {"ok": job.ok, "reason": job.reason, "median_step_before_s": med(before), "median_step_after_s": med(after),
-            "slowdown": (med(after) / med(before)) if before and after else None}
+    b, a = _median(before), _median(after)
+    return {"ok": job.ok, "reason": job.reason, "median_step_before_s": b, "median_step_after_s": a,
+            "slowdown": a / b if a and b else None}
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
 
 
 def run(ctx: LabContext) -> Outcome:

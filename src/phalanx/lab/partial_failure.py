@@ -4,7 +4,6 @@ the progress detector switched off, which hangs the job until its deadline."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from phalanx.lab.context import LabContext
@@ -159,7 +158,3 @@ def _plot(job: JobRun) -> bytes:
     ax.set_ylabel("time between commits (s)")
     ax.set_title("partial failures: step time through each fault")
     return png(fig)
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else 0.0
