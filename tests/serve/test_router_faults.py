@@ -5,37 +5,25 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from phalanx.serve.cluster import spawn_replicas, stop_replicas
-from phalanx.serve.router_main import READY_LINE
+from phalanx.serve.cluster import spawn_replicas, spawn_router, stop_replicas
 
 MODEL = "phalanx-charlm"
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def cluster():
+def cluster(token_file):
     # every step 15x slower so generations are still running when the fault lands
-    reps = spawn_replicas(3, ["--random-weights", "0", "--slowdown-factor", "15", "--batch-size-max", "16"])
-    router = subprocess.Popen([sys.executable, "-m", "phalanx.serve.router_main", "--port", "0",
-                               *[f"--replica={r.replica_id}={r.url}" for r in reps]],
-                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    line = ""
-    for _ in range(100):
-        line = router.stdout.readline()
-        if line.startswith(READY_LINE) or not line:
-            break
-    assert line.startswith(READY_LINE), line
-    yield reps, f"http://127.0.0.1:{line.split()[1]}"
-    router.kill()
-    router.wait(10)
+    reps = spawn_replicas(3, ["--random-weights", "0", "--slowdown-factor", "15", "--batch-size-max", "16"], token_file)
+    router = spawn_router({r.replica_id: r.url for r in reps}, token_file)
+    yield reps, router.url
+    router.stop()
     stop_replicas(reps)
 
 

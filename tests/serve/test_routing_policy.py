@@ -73,3 +73,10 @@ def test_consecutive_failures_eject_and_latency_outlier_is_found():
     reps = fleet(("a", 0, 0.1), ("b", 0, 0.12), ("c", 0, 0.09), ("d", 0, 1.0))
     assert [x.replica_id for x, _ in latency_outliers(0, reps, cfg)] == ["d"]
     assert latency_outliers(0, fleet(("a", 0, 0.1), ("b", 0, 0.12), ("c", 0, 0.2)), cfg) == []
+
+
+def test_a_request_whose_replica_died_is_retried_outside_the_budget_but_within_attempts_max():
+    cfg = PolicyConfig()
+    assert may_retry(10, 50, 1, cfg)[0] is False  # overload-shaped failure: the budget holds
+    assert may_retry(10, 50, 1, cfg, replica_gone=True)[0] is True  # moving a dead replica's request adds no load
+    assert may_retry(10, 0, 3, cfg, attempts_max=3, replica_gone=True)[0] is False

@@ -79,3 +79,12 @@ def frame_mac(key: bytes, direction: bytes, seq: int, parts: list[bytes | memory
 
 def macs_equal(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
+
+
+def request_mac(token: bytes, parts: list[bytes]) -> bytes:
+    """MAC of one HTTP request between serving processes (router -> replica), domain-separated from the
+    transport's handshake and frames; ``parts`` are length-prefixed so no two requests share a MAC input."""
+    h = hmac.new(token, b"phalanx-http\x00", hashlib.sha256)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "big") + part)
+    return h.digest()

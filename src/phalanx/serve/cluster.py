@@ -1,4 +1,9 @@
-"""Start N replica processes and the router in front of them on loopback (``phalanx serve``)."""
+"""Start N replica processes and the router in front of them on loopback (``phalanx serve``, the
+benchmarks, the demo and the integration tests all start them through here).
+
+Every serving run has a cluster token (a fresh one in a mode-600 file unless one is given): the
+replicas refuse any request the router has not signed with it.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,20 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 
+from phalanx.core.auth import generate_token, read_token_file, write_token_file
 from phalanx.serve.errors import ServeError
 from phalanx.serve.replica_main import READY_LINE
 from phalanx.serve.router import Router, RouterConfig
 from phalanx.serve.router_app import build_router_app
+
+ROUTER_READY_LINE = "PHALANX_ROUTER_READY"  # printed by router_main
 
 
 class ReplicaStartFailed(ServeError):
@@ -35,10 +45,23 @@ class ReplicaProcess:
         return f"http://127.0.0.1:{self.port}"
 
 
-def spawn_replica(replica_id: str, args: list[str], ready_timeout_s: float = 120.0) -> ReplicaProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx.serve.replica_main", "--port", "0", *args],
-                            stdout=subprocess.PIPE, text=True, env=env)
+def make_token_file(directory: str | Path | None = None) -> Path:
+    """A fresh cluster token in ``directory`` (a new private temp dir by default), mode 600."""
+    d = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="phalanx-serve-"))
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "serve.token"
+    write_token_file(path, generate_token())
+    return path
+
+
+def _env(token_file: Path) -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PHALANX_TOKEN_FILE=str(token_file))
+
+
+def spawn_replica(replica_id: str, args: list[str], token_file: Path, ready_timeout_s: float = 120.0,
+                  port: int = 0) -> ReplicaProcess:
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx.serve.replica_main", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, text=True, env=_env(token_file))
     assert proc.stdout is not None
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:  # bounded by the deadline and by EOF when the child exits
@@ -52,11 +75,12 @@ def spawn_replica(replica_id: str, args: list[str], ready_timeout_s: float = 120
     raise ReplicaStartFailed(f"replica {replica_id} did not start (exit code {proc.poll()}); see its output above")
 
 
-def spawn_replicas(n: int, args: list[str], per_replica: dict[int, list[str]] | None = None) -> list[ReplicaProcess]:
+def spawn_replicas(n: int, args: list[str], token_file: Path,
+                   per_replica: dict[int, list[str]] | None = None) -> list[ReplicaProcess]:
     out: list[ReplicaProcess] = []
     try:
         for i in range(n):
-            out.append(spawn_replica(f"r{i}", args + (per_replica or {}).get(i, [])))
+            out.append(spawn_replica(f"r{i}", args + (per_replica or {}).get(i, []), token_file))
     except BaseException:
         stop_replicas(out)
         raise
@@ -70,6 +94,8 @@ def stop_replicas(replicas: list[ReplicaProcess]) -> None:
             r.proc.kill()
     for r in replicas:
         r.proc.wait(10)
+        if r.proc.stdout is not None:
+            r.proc.stdout.close()
 
 
 def with_suppress_kill(proc: subprocess.Popen[str], sig: int) -> None:
@@ -79,6 +105,42 @@ def with_suppress_kill(proc: subprocess.Popen[str], sig: int) -> None:
         pass
 
 
+@dataclass
+class RouterProcess:
+    proc: subprocess.Popen[str]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def spawn_router(replicas: dict[str, str], token_file: Path, policy: str = "p2c-latency", hedging: bool = False,
+                 extra: list[str] | None = None, ready_timeout_s: float = 60.0) -> RouterProcess:
+    cmd = [sys.executable, "-m", "phalanx.serve.router_main", "--port", "0", "--policy", policy,
+           *[f"--replica={k}={v}" for k, v in sorted(replicas.items())], *(["--hedging"] if hedging else []),
+           *(extra or [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_env(token_file))
+    assert proc.stdout is not None
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(ROUTER_READY_LINE):
+            return RouterProcess(proc, int(line.split()[1]))
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    proc.wait(10)
+    raise ReplicaStartFailed(f"the router did not start (exit code {proc.poll()})")
+
+
 def bind_loopback(port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -86,21 +148,33 @@ def bind_loopback(port: int) -> socket.socket:
     return sock
 
 
-async def run_router(router: Router, sock: socket.socket, on_ready: object = None) -> None:
-    server = uvicorn.Server(uvicorn.Config(build_router_app(router), log_level="warning", lifespan="on",
-                                           timeout_keep_alive=30, timeout_graceful_shutdown=5))
-    await server.serve(sockets=[sock])
-
-
-def router_config(policy: str, hedging: bool) -> RouterConfig:
+def router_config(policy: str, hedging: bool, active_requests_max: int = 256) -> RouterConfig:
     from phalanx.serve.routing_policy import Policy, PolicyConfig
 
-    return RouterConfig(policy=PolicyConfig(policy=Policy(policy)), hedging=hedging)
+    return RouterConfig(policy=PolicyConfig(policy=Policy(policy)), hedging=hedging,
+                        active_requests_max=active_requests_max)
 
 
-def serve_forever(replicas: list[ReplicaProcess], cfg: RouterConfig, port: int) -> None:
-    router = Router({r.replica_id: r.url for r in replicas}, cfg)
+def serve_forever(replicas: list[ReplicaProcess], cfg: RouterConfig, port: int, token_file: Path,
+                  api_key: str | None = None, faults: list | None = None) -> None:  # type: ignore[type-arg]
+    router = Router({r.replica_id: r.url for r in replicas}, cfg, token=read_token_file(token_file))
     sock = bind_loopback(port)
     print(f"phalanx serve: {len(replicas)} replicas, router on http://127.0.0.1:{sock.getsockname()[1]}/v1 "
-          f"(policy {cfg.policy.policy.value})", flush=True)
-    asyncio.run(run_router(router, sock))
+          f"(policy {cfg.policy.policy.value}{', API key required' if api_key else ''})", flush=True)
+
+    async def main() -> None:
+        server = uvicorn.Server(uvicorn.Config(build_router_app(router, api_key), log_level="warning", lifespan="on",
+                                               timeout_keep_alive=30, timeout_graceful_shutdown=5))
+        driver = None
+        if faults:
+            from phalanx.serve.fault_driver import run_fault_plan
+
+            driver = asyncio.create_task(run_fault_plan(faults, replicas, read_token_file(token_file),
+                                                        log=lambda m: print(f"fault: {m}", flush=True)))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            if driver is not None:
+                driver.cancel()
+
+    asyncio.run(main())

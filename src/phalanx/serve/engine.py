@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 
-from phalanx.serve.errors import BadRequest, Overloaded
+from phalanx.serve.errors import BadRequest, Draining, Overloaded
 from phalanx.serve.kv_decoder import KvDecoder
 from phalanx.serve.sampling import SamplingParams, sample_token
 from phalanx.serve.served_model import ServedModel
@@ -65,6 +65,10 @@ class ReplicaEngine:
         self._wake = asyncio.Event()
         self.steps = 0
         self.tokens_generated = 0
+        self.slowdown_factor = cfg.slowdown_factor  # a straggler fault may change it while serving
+        self.hung_until_s = 0.0  # a hang fault: the decode loop stands still (heartbeats still answer)
+        self.draining = False
+        self.step_time_s = 0.0  # EWMA of one decode step: the router's progress rule scales with it  # SIGTERM: no new requests; the running and waiting ones finish
         self.last_progress_s = time.monotonic()  # heartbeat + progress for the router's failure detector
 
     # --- introspection -------------------------------------------------------------------------
@@ -77,12 +81,18 @@ class ReplicaEngine:
         return len(self._active)
 
     @property
+    def is_idle(self) -> bool:
+        return not self._active and not self._waiting
+
+    @property
     def free_slots(self) -> int:
         return len(self._free)
 
     # --- requests ------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int] | None = None) -> Generation:
         resumed = list(resumed or [])
+        if self.draining:
+            raise Draining("replica is draining (shutting down); send the request to another replica")
         if not prompt_ids:
             raise BadRequest("prompt is empty")
         if len(prompt_ids) + max(params.max_tokens, len(resumed)) > self.context:
@@ -106,6 +116,9 @@ class ReplicaEngine:
     # --- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
+            if self.hung_until_s > time.monotonic():  # a hang fault, bounded by its for_s
+                await asyncio.sleep(min(0.05, self.hung_until_s - time.monotonic()))
+                continue
             self._reap_cancelled()
             admitted: list[Generation] = []
             while self._waiting and self._free:
@@ -124,10 +137,12 @@ class ReplicaEngine:
             running = [g for g in self._active.values() if g not in admitted]
             t0 = time.monotonic()
             new_tokens = await asyncio.to_thread(self._step, admitted, running)
-            if self.cfg.slowdown_factor > 1.0:
-                await asyncio.sleep((self.cfg.slowdown_factor - 1.0) * (time.monotonic() - t0))
+            if self.slowdown_factor > 1.0:
+                await asyncio.sleep((self.slowdown_factor - 1.0) * (time.monotonic() - t0))
             self.steps += 1
             self.last_progress_s = time.monotonic()
+            took_s = self.last_progress_s - t0
+            self.step_time_s = took_s if self.steps == 1 else 0.8 * self.step_time_s + 0.2 * took_s
             for gen, tok in new_tokens:
                 self._accept(gen, tok)
 

@@ -31,5 +31,11 @@ class Overloaded(ServeError):
     status, code, kind = 429, "overloaded", "rate_limit_error"
 
 
+class Draining(ServeError):
+    """The replica got SIGTERM: it finishes what it has and admits nothing new (the router retries elsewhere)."""
+
+    status, code, kind = 503, "draining", "server_error"
+
+
 class NoCheckpoint(ServeError):
     status, code, kind = 500, "no_checkpoint", "server_error"

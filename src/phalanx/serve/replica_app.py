@@ -19,11 +19,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from phalanx.serve.engine import Delta, Generation, ReplicaEngine
 from phalanx.serve.errors import BadRequest, ServeError
 from phalanx.serve.openai_request import CompletionRequest, parse_completion
+from phalanx.serve.replica_faults import EdgeFaults, NetworkFaultEdge, apply_fault
+from phalanx.serve.request_auth import RequireClusterToken
 
 BODY_BYTES_MAX = 1 << 20
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -81,6 +84,7 @@ class BodyTooLarge(ServeError):
 class ReplicaHttp:
     def __init__(self, engine: ReplicaEngine, model_name: str) -> None:
         self.engine = engine
+        self.edge = EdgeFaults()
         self.model_name = model_name
         self.metrics = ReplicaMetrics()
         self.created = int(time.time())
@@ -179,8 +183,17 @@ class ReplicaHttp:
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "phalanx", "version": self.version}]})
 
     async def health(self, _: Request) -> Response:
-        return JSONResponse({"ok": True, "version": self.version, "steps": self.engine.steps,
-                             "queue_depth": self.engine.queue_depth, "batch_size": self.engine.batch_size})
+        return JSONResponse({"ok": not self.engine.draining, "draining": self.engine.draining, "version": self.version,
+                             "steps": self.engine.steps, "step_time_s": round(self.engine.step_time_s, 6), "queue_depth": self.engine.queue_depth,
+                             "batch_size": self.engine.batch_size})
+
+    async def fault(self, request: Request) -> Response:
+        """The fault driver switches a fault on (authenticated like every replica route)."""
+        try:
+            done = apply_fault(await read_json_body(request), self.engine, self.edge, time.monotonic())
+        except ServeError as e:
+            return serve_error_response(e)
+        return JSONResponse({"applied": done})
 
     async def ready(self, _: Request) -> Response:
         ok = self.engine.queue_depth < self.engine.cfg.queue_depth_max
@@ -210,9 +223,15 @@ class ReplicaHttp:
 
 
 
-def build_replica_app(engine: ReplicaEngine, model_name: str = "phalanx-charlm") -> Starlette:
+def build_replica_app(engine: ReplicaEngine, model_name: str = "phalanx-charlm", token: bytes | None = None) -> Starlette:
+    """The replica's app; with ``token``, every route demands a request signed with the cluster token
+    (``replica_main`` always passes one), and the network fault edge sits outside it."""
     h = ReplicaHttp(engine, model_name)
-    return Starlette(routes=[
+    middleware = [Middleware(NetworkFaultEdge, edge=h.edge)]
+    if token is not None:
+        middleware.append(Middleware(RequireClusterToken, token=token, body_bytes_max=BODY_BYTES_MAX))
+    return Starlette(middleware=middleware, routes=[
+        Route("/phalanx/fault", h.fault, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat_completions, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),

@@ -1,20 +1,28 @@
 """One replica process: ``python -m phalanx.serve.replica_main --checkpoint RUN_OR_DIR --port P``.
 
 Binds loopback by default; prints ``PHALANX_REPLICA_READY <port>`` once it accepts requests (port 0
-picks a free one), so a parent process (router, tests) knows where it listens.
+picks a free one), so a parent process (router, tests) knows where it listens. Every request must be
+signed with the cluster token (``--token-file`` or ``PHALANX_TOKEN_FILE``). SIGTERM drains: no new
+requests (503 ``draining``, /health says so and the router stops routing here), the running and
+waiting generations finish, then the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import socket
 import sys
+import time
+from types import FrameType
 
 import torch
 import uvicorn
 
-from phalanx.core.errors import PhalanxError
+from phalanx.core.auth import read_token_file
+from phalanx.core.errors import ConfigError, PhalanxError
 from phalanx.serve.engine import EngineConfig, ReplicaEngine
 from phalanx.serve.replica_app import build_replica_app
 from phalanx.serve.served_model import load_served_model, random_model
@@ -34,19 +42,54 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--queue-depth-max", type=int, default=64)
     ap.add_argument("--slowdown-factor", type=float, default=1.0, help="straggler fault: every step N times slower")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--token-file", default=os.environ.get("PHALANX_TOKEN_FILE"),
+                    help="cluster token the router signs requests with (default: $PHALANX_TOKEN_FILE)")
+    ap.add_argument("--drain-timeout-s", type=float, default=30.0)
+    ap.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return ap
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM drains instead of closing the listener at once."""
+
+    def __init__(self, config: uvicorn.Config, engine: ReplicaEngine, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.drain_timeout_s = engine, drain_timeout_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.engine.draining and self.loop is not None:
+            self.engine.draining = True  # from here every new completion is a 503 the router retries elsewhere
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))  # type: ignore[union-attr]
+            return
+        super().handle_exit(sig, frame)
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while not self.engine.is_idle and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # the last chunks and [DONE] leave before the listener closes
+        print(f"PHALANX_REPLICA_DRAINED idle={self.engine.is_idle}", flush=True)
+        self.should_exit = True
+
+
 async def serve(args: argparse.Namespace) -> None:
+    if not args.token_file:
+        raise ConfigError("a replica needs the cluster token: pass --token-file F or set PHALANX_TOKEN_FILE "
+                          "(`phalanx token --out F` makes one; `phalanx serve` makes one per run)")
+    token = read_token_file(args.token_file)
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     served = random_model(args.random_weights) if args.random_weights is not None else load_served_model(args.checkpoint, device)
     engine = ReplicaEngine(served, EngineConfig(args.batch_size_max, args.queue_depth_max, args.slowdown_factor))
-    app = build_replica_app(engine, args.model_name)
+    app = build_replica_app(engine, args.model_name, token)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, lifespan="on"))
+    server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30, lifespan="on",
+                                           timeout_graceful_shutdown=int(args.drain_timeout_s)),
+                            engine, args.drain_timeout_s)
+    server.loop = asyncio.get_running_loop()
     task = asyncio.create_task(server.serve(sockets=[sock]))
     for _ in range(600):
         if server.started or task.done():

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phalanx.membership.failure_detector import DetectorConfig, Liveness, heartbeat_suspects
 from phalanx.serve.replica_app import LATENCY_BUCKETS_S
+from phalanx.serve.request_auth import ClusterTokenAuth
 from phalanx.serve.routing_policy import (PolicyConfig, ReplicaStats, RollingLatency, after_failure, backoff_s,
                                           choose_replica, hedge_delay_s, latency_outliers, may_hedge, may_retry)
 
@@ -34,7 +35,8 @@ class RouterConfig:
     model_name: str = "phalanx-charlm"
     policy: PolicyConfig = PolicyConfig()
     detector: DetectorConfig = DetectorConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
-    progress_timeout_s: float = 0.8  # a running batch whose step count stands still this long: hung
+    progress_timeout_s: float = 0.8  # a running batch whose step count stands still this long: hung ...
+    progress_steps_max: float = 5.0  # ... and this many of its own recent step times (a straggler is slow, not hung)
     readmit_heartbeats: int = 3  # a returning replica must answer this many polls in a row
     active_requests_max: int = 256  # admission control: beyond this, 429 with Retry-After
     attempts_max: int = 4
@@ -54,10 +56,16 @@ class ReplicaState:
     steps_changed_s: float = 0.0
     busy: bool = False
     ever_healthy: bool = False
+    step_time_s: float = 0.0
 
 
 class AttemptFailed(Exception):
-    """One try at one replica failed in a way that is safe to retry elsewhere (nothing sent to the client)."""
+    """One try at one replica failed in a way that is safe to retry elsewhere (nothing sent to the client).
+    ``replica_gone``: the replica died or is draining (its requests move without adding load)."""
+
+    def __init__(self, message: str, replica_gone: bool = False) -> None:
+        super().__init__(message)
+        self.replica_gone = replica_gone
 
 
 @dataclass
@@ -81,7 +89,8 @@ class RouterMetrics:
 
 
 class Router:
-    def __init__(self, replica_urls: dict[str, str], cfg: RouterConfig = RouterConfig(), seed: int = 0) -> None:
+    def __init__(self, replica_urls: dict[str, str], cfg: RouterConfig = RouterConfig(), seed: int = 0,
+                 token: bytes | None = None) -> None:
         self.cfg = cfg
         self.replicas = {rid: ReplicaState(ReplicaStats(rid), url) for rid, url in sorted(replica_urls.items())}
         self.rng = random.Random(seed)
@@ -93,7 +102,9 @@ class Router:
         self.history = RollingLatency()
         self.metrics = RouterMetrics()
         self.events: list[dict[str, Any]] = []  # membership changes with reasons (bounded)
-        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        # every request to a replica is signed with the cluster token (replicas refuse anything else)
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+                                        auth=ClusterTokenAuth(token) if token is not None else None)
 
     def stats(self) -> list[ReplicaStats]:
         return [r.stats for r in self.replicas.values()]
@@ -113,7 +124,10 @@ class Router:
         try:
             resp = await self.client.get(r.url + "/health", timeout=self.cfg.detector.heartbeat_timeout_s / 2)
             h = resp.json()
-            steps, busy = int(h["steps"]), int(h["batch_size"]) > 0
+            steps, busy = int(h["steps"]), int(h["batch_size"]) + int(h.get("queue_depth", 0)) > 0
+            step_time_s = float(h.get("step_time_s", 0.0))
+            if resp.status_code != 200 or h.get("draining"):
+                raise ValueError("draining" if h.get("draining") else f"HTTP {resp.status_code}")
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             r.good_polls = 0
             if isinstance(e, httpx.ConnectError):
@@ -124,13 +138,14 @@ class Router:
         r.good_polls += 1
         if steps != r.steps or not busy:
             r.steps, r.steps_changed_s = steps, now
-        r.busy = busy
+        r.busy, r.step_time_s = busy, step_time_s
 
     def _decide_membership(self, now: float) -> None:
         live = {rid: Liveness(r.connected and r.good_polls > 0, r.last_heartbeat_s) for rid, r in self.replicas.items()}
         suspects = {s.worker_id: s.reason for s in heartbeat_suspects(now, live, self.cfg.detector)}
         for rid, r in self.replicas.items():
-            if rid not in suspects and r.busy and now - r.steps_changed_s > self.cfg.progress_timeout_s:
+            stalled_max_s = max(self.cfg.progress_timeout_s, self.cfg.progress_steps_max * r.step_time_s)
+            if rid not in suspects and r.busy and now - r.steps_changed_s > stalled_max_s:
                 suspects[rid] = f"no decode progress for {now - r.steps_changed_s:.2f} s with a running batch"
             was = r.stats.healthy
             if rid in suspects:
@@ -165,6 +180,7 @@ class Router:
     def _failed(self, r: ReplicaState, e: BaseException) -> None:
         if isinstance(e, httpx.ConnectError):
             self._suspect_now(r, f"connection refused ({e})")
+        self._event(replica=r.stats.replica_id, failed=f"{type(e).__name__}: {e}"[:200])
         ejected, why = after_failure(time.monotonic(), r.stats, self.cfg.policy)
         if ejected:
             self.metrics.ejections.labels(r.stats.replica_id, "failures").inc()
@@ -180,29 +196,32 @@ class Router:
             payload = resp.json()
         except (httpx.HTTPError, ValueError) as e:
             self._failed(r, e)
-            raise AttemptFailed(f"{r.stats.replica_id}: {type(e).__name__}: {e}") from e
+            gone = isinstance(e, (httpx.ConnectError, httpx.RemoteProtocolError))
+            raise AttemptFailed(f"{r.stats.replica_id}: {type(e).__name__}: {e}", gone) from e
         finally:
             r.stats.outstanding -= 1
         if resp.status_code >= 500 or resp.status_code == 429 or not isinstance(payload, dict):
             self._failed(r, RuntimeError(str(resp.status_code)))
-            raise AttemptFailed(f"{r.stats.replica_id}: HTTP {resp.status_code}")
+            draining = isinstance(payload, dict) and (payload.get("error") or {}).get("code") == "draining"
+            raise AttemptFailed(f"{r.stats.replica_id}: HTTP {resp.status_code}", draining)
         if resp.status_code == 200:
             r.stats.observe(time.monotonic() - t0, self.cfg.policy.ewma_alpha)
         return resp.status_code, payload
 
     async def unary(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         tried: set[str] = set()
-        last = "no attempt"
+        last, gone = "no attempt", False
         for attempt in range(self.cfg.attempts_max):
             if attempt:
-                ok, why = may_retry(self.active, self.retries_in_flight, attempt, self.cfg.policy, self.cfg.attempts_max)
+                ok, why = may_retry(self.active, self.retries_in_flight, attempt, self.cfg.policy, self.cfg.attempts_max,
+                                    gone)
                 if not ok:
                     break
                 await asyncio.sleep(backoff_s(attempt, self.rng))
             try:
                 r = self._choose(frozenset(tried))
             except AttemptFailed as e:
-                last = str(e)
+                last, gone = str(e), True
                 await asyncio.sleep(0.05)
                 continue
             tried.add(r.stats.replica_id)
@@ -212,7 +231,7 @@ class Router:
             try:
                 return await self._hedged(r, path, body, tried)
             except AttemptFailed as e:
-                last = str(e)
+                last, gone = str(e), e.replica_gone
             finally:
                 if attempt:
                     self.retries_in_flight -= 1
@@ -332,7 +351,9 @@ class Router:
                     pending = asyncio.ensure_future(lines.__anext__())
                 done, _ = await asyncio.wait({pending}, timeout=0.05)
                 if not done:
-                    if not r.stats.healthy or time.monotonic() - stalled_since > self.cfg.stall_s:
+                    # a straggler's steps are slow, not stalled: the limit scales with its own step time
+                    stall_s = max(self.cfg.stall_s, self.cfg.progress_steps_max * r.step_time_s)
+                    if not r.stats.healthy or time.monotonic() - stalled_since > stall_s:
                         raise AttemptFailed(f"{r.stats.replica_id} stalled or left rotation mid-stream")
                     continue
                 try:

@@ -13,10 +13,12 @@ from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from phalanx.serve.errors import BadRequest, Overloaded, ServeError, UnknownModel
 from phalanx.serve.replica_app import error_response, read_json_body, serve_error_response
+from phalanx.serve.request_auth import RequireApiKey
 from phalanx.serve.router import AttemptFailed, Router
 from phalanx.serve.routing_policy import backoff_s
 
@@ -103,7 +105,8 @@ class RouterHttp:
     async def health(self, _: Request) -> Response:
         return JSONResponse({"ok": True, "replicas": {rid: {"healthy": r.stats.healthy, "outstanding": r.stats.outstanding,
                                                             "ewma_latency_s": round(r.stats.ewma_latency_s, 6)}
-                                                      for rid, r in self.router.replicas.items()}})
+                                                      for rid, r in self.router.replicas.items()},
+                             "events": self.router.events[-20:]})
 
     async def ready(self, _: Request) -> Response:
         ok = any(r.stats.healthy for r in self.router.replicas.values())
@@ -128,9 +131,11 @@ class RouterHttp:
 
 
 
-def build_router_app(router: Router) -> Starlette:
+def build_router_app(router: Router, api_key: str | None = None) -> Starlette:
+    """The public app; with ``api_key``, /v1/ routes demand ``Authorization: Bearer <api_key>``."""
     h = RouterHttp(router)
-    return Starlette(routes=[
+    middleware = [Middleware(RequireApiKey, api_key=api_key)] if api_key else []
+    return Starlette(middleware=middleware, routes=[
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat_completions, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),

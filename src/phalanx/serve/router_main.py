@@ -7,22 +7,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import uvicorn
 
-from phalanx.serve.cluster import bind_loopback, router_config
+from phalanx.core.auth import read_token_file
+from phalanx.core.errors import ConfigError, PhalanxError
+from phalanx.serve.cluster import ROUTER_READY_LINE, bind_loopback, router_config
 from phalanx.serve.router import Router
 from phalanx.serve.router_app import build_router_app
 
-READY_LINE = "PHALANX_ROUTER_READY"
+READY_LINE = ROUTER_READY_LINE
 
 
 async def _serve(args: argparse.Namespace) -> None:
     urls = dict(spec.split("=", 1) for spec in args.replica)
-    router = Router(urls, router_config(args.policy, args.hedging), seed=args.seed)
+    if not args.token_file:
+        raise ConfigError("the router needs the cluster token its replicas accept: --token-file F or PHALANX_TOKEN_FILE")
+    cfg = router_config(args.policy, args.hedging, args.active_requests_max)
+    router = Router(urls, cfg, seed=args.seed, token=read_token_file(args.token_file))
     sock = bind_loopback(args.port)
-    server = uvicorn.Server(uvicorn.Config(build_router_app(router), log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(build_router_app(router, args.api_key or None), log_level="warning",
+                                           lifespan="on"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     for _ in range(1000):
         if server.started or task.done():
@@ -44,8 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="p2c-latency", choices=["p2c-latency", "p2c-queue", "round-robin"])
     ap.add_argument("--hedging", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--token-file", default=os.environ.get("PHALANX_TOKEN_FILE"))
+    ap.add_argument("--api-key", default=os.environ.get("PHALANX_API_KEY"),
+                    help="clients must send this bearer key (default: $PHALANX_API_KEY; none: open)")
+    ap.add_argument("--active-requests-max", type=int, default=256, help="past this, 429 with Retry-After")
     args = ap.parse_args(argv)
-    asyncio.run(_serve(args))
+    try:
+        asyncio.run(_serve(args))
+    except PhalanxError as e:
+        print(f"phalanx router: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

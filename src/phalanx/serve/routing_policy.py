@@ -82,9 +82,14 @@ def choose_replica(now: float, replicas: list[ReplicaStats], cfg: PolicyConfig, 
     return pick, f"p2c-latency {a.replica_id}={ca:.4f} vs {b.replica_id}={cb:.4f}"
 
 
-def may_retry(active: int, retries_in_flight: int, attempt: int, cfg: PolicyConfig, attempts_max: int = 3) -> tuple[bool, str]:
+def may_retry(active: int, retries_in_flight: int, attempt: int, cfg: PolicyConfig, attempts_max: int = 3,
+              replica_gone: bool = False) -> tuple[bool, str]:
+    """The budget stops retries from multiplying an overload; a request whose replica died (connection
+    refused or dropped before any answer) adds no load by moving, so only ``attempts_max`` bounds it."""
     if attempt >= attempts_max:
         return False, f"attempt {attempt} reached the maximum of {attempts_max}"
+    if replica_gone:
+        return True, f"retry {attempt}: the replica is gone (outside the budget)"
     budget = max(cfg.retry_budget_min, int(cfg.retry_budget_ratio * active))
     if retries_in_flight >= budget:
         return False, f"retry budget spent ({retries_in_flight} in flight, budget {budget})"
