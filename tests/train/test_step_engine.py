@@ -50,6 +50,9 @@ class FakeAgent:
             raise item
         return item
 
+    def take_grant(self, step, ready):
+        return None
+
     async def exchange(self, a):
         return Exchange(LocalProcessGroup(a.quorum_id))
 

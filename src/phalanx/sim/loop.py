@@ -82,6 +82,33 @@ class VirtualTimeLoop(asyncio.BaseEventLoop):  # type: ignore[misc]
         self.timer_events += len(due)
         self._ready.extend(due)
 
+    def _run_once(self) -> None:
+        """One iteration, without the selector, I/O and debug machinery of BaseEventLoop's: drop
+        cancelled timers at the head (and rebuild the heap when most are cancelled), let due
+        timers join the ready queue (jumping virtual time when nothing else is runnable), then run
+        what was ready when the iteration began, as BaseEventLoop does."""
+        sched, ready = self._scheduled, self._ready
+        if len(sched) > 100 and self._timer_cancelled_count * 2 > len(sched):
+            live = [h for h in sched if not h._cancelled]
+            for h in sched:
+                if h._cancelled:
+                    h._scheduled = False
+            heapq.heapify(live)
+            self._scheduled = sched = live
+            self._timer_cancelled_count = 0
+        while sched and sched[0]._cancelled:
+            self._timer_cancelled_count -= 1
+            heapq.heappop(sched)._scheduled = False
+        if ready or self._stopping:
+            if sched and sched[0]._when < self._vt + self._clock_resolution:
+                self._advance(0)
+        else:
+            self._advance(max(0.0, sched[0]._when - self._vt) if sched else None)
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            if not handle._cancelled:
+                handle._run()
+
     # BaseEventLoop hooks for a loop without file descriptors
     def _process_events(self, event_list: list[Any]) -> None:
         return None

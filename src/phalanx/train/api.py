@@ -88,19 +88,26 @@ class Step:
 
 class _ThreadBody:
     """The StepBody of real runs: hands each ticket to the user's thread (the body of their
-    ``for step in job.steps(...)`` loop) and waits until that body has ended."""
+    ``for step in job.steps(...)`` loop) and waits until that body has ended. A ticket the engine
+    already handed over with the last vote (the fast path) is not queued again; results come back
+    in order, so one that arrives before the engine waits for it is kept."""
 
     _END = object()
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._tickets: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._done: asyncio.Future[BodyResult] | None = None
+        self._results: asyncio.Queue[BodyResult | Exception] | None = None
 
     async def run(self, ticket: Ticket) -> BodyResult:
-        self._done = self._loop.create_future()
-        self._tickets.put(ticket)
-        return await self._done
+        if self._results is None:
+            self._results = asyncio.Queue()
+        if not ticket.handed:
+            self._tickets.put(ticket)
+        item = await self._results.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     # ---- called on the user's thread ----
     def next_ticket(self) -> Ticket | None:
@@ -109,22 +116,18 @@ class _ThreadBody:
         return None if item is self._END else item
 
     def body_done(self, result: BodyResult) -> None:
-        self._loop.call_soon_threadsafe(self._resolve, result, None)
+        self._loop.call_soon_threadsafe(self._put, result)
 
     def body_exited(self, why: str) -> None:
-        self._loop.call_soon_threadsafe(self._resolve, None, LoopExited(why))
+        self._loop.call_soon_threadsafe(self._put, LoopExited(why))
 
     def ended(self, _fut: Any = None) -> None:
         self._tickets.put(self._END)
 
-    def _resolve(self, result: BodyResult | None, error: Exception | None) -> None:
-        fut = self._done
-        if fut is None or fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)  # type: ignore[arg-type]
+    def _put(self, item: BodyResult | Exception) -> None:
+        if self._results is None:
+            self._results = asyncio.Queue()
+        self._results.put_nowait(item)
 
 
 class _TorchState:
@@ -205,6 +208,7 @@ class Job:
         self.optimizer: torch.optim.Optimizer | None = None
         self._current: Step | None = None
         self._buckets: GradientBuckets | None = None
+        self._next: Ticket | None = None  # handed over with the last vote (the fast path)
         self.faults = InProcessFaults(self)
         self._spans = _SpanLog(run_dir / "workers" / f"{worker_id}.jsonl", worker_id)
         self._body = _ThreadBody(loop)
@@ -267,7 +271,8 @@ class Job:
         engine = asyncio.run_coroutine_threadsafe(self.engine.run(total), self._loop)
         engine.add_done_callback(self._body.ended)
         try:
-            while (ticket := self._body.next_ticket()) is not None:
+            ticket = self._body.next_ticket()
+            while ticket is not None:
                 st = Step(self, ticket)
                 self._current = st
                 rng = torch.get_rng_state()
@@ -280,6 +285,7 @@ class Job:
                     self._rollback(rng)
                 samples = st._shard[1] if st._shard else 0
                 self._body.body_done(BodyResult(st.committed, samples, st.loss, st.failed))
+                ticket, self._next = (self._next, None) if self._next is not None else (self._body.next_ticket(), None)
         except GeneratorExit:
             self._body.body_exited("loop body raised or exited early")
             engine.result()
@@ -372,6 +378,7 @@ class Job:
                 p.grad = reduced if p.grad is None else p.grad.copy_(reduced)
                 pos += p.numel()
         st.committed, st.loss = True, vote.loss
+        self._next = vote.next  # the next step, granted and ready: no wait for the engine
         self._spans.span("allreduce", t0, step=st.number, quorum_id=st.quorum_id, commit=True)
         return True
 

@@ -54,6 +54,7 @@ class Ticket:
     step: int
     local: bool = False  # local-sgd: a local step, no vote
     exchange: Exchange | None = None  # the step's collectives (None for a local step)
+    handed: bool = False  # already given to the body with the last vote (the fast path)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class Vote:
     commit: bool
     reason: str = ""
     loss: float = 0.0
+    # the fast path: the next step's ticket, granted and ready, handed to the body with this verdict
+    # so it can go on without waiting for the engine (None: it waits for its next ticket)
+    next: Ticket | None = None
 
 
 class LoopExited(Exception):
@@ -116,6 +120,7 @@ class StepEngine:
         self.last: Assignment | None = None
         self.max_world_size = 1  # the largest quorum this worker has been in
         self._total = -1
+        self._handed: Ticket | None = None  # the ticket the last vote handed to the body
 
     @property
     def now(self) -> float:
@@ -142,19 +147,27 @@ class StepEngine:
     async def _run_steps(self, total: int) -> None:
         step = self.agent.last_committed_step + 1
         while step < total:
-            a = await self._acquire(step, total)
-            if a.step >= total or a.catch_up:
-                return  # a catch-up restored or healed the final state
-            ex = await self.agent.exchange(a)  # ready before the body computes: buckets start early
-            if ex.failed:  # the group did not form: say so (the step aborts) without computing
-                v = await self.vote(a, ex, None, lambda: (False, 0.0), 0.0)
+            handed, self._handed = self._handed, None
+            if handed is not None and handed.step == step:
+                a, ticket = handed.assignment, handed  # the body already has it (the fast path)
+                self._note(a, self.now, step)
+            else:
+                a = await self._acquire(step, total)
+                if a.step >= total or a.catch_up:
+                    return  # a catch-up restored or healed the final state
+                ex = await self.agent.exchange(a)  # ready before the body computes: buckets start early
+                ticket = Ticket(a, a.step, exchange=ex)
+            if ticket.exchange is not None and ticket.exchange.failed and not ticket.handed:
+                # the group did not form: say so (the step aborts) without computing
+                v = await self.vote(a, ticket.exchange, None, lambda: (False, 0.0), 0.0)
                 result = BodyResult(False, 0, None, v.reason)
             else:
-                result = await self.body.run(Ticket(a, a.step, exchange=ex))
+                result = await self.body.run(ticket)
             if result.committed:
                 await self._after_commit(a, a.step, result.loss)
                 step = a.step + 1
             else:
+                self._handed = None
                 step = a.step
                 self.counters.steps_retried += 1
                 self.obs.event("rolled_back", step=a.step, quorum_id=a.quorum_id, reason=result.reason)
@@ -174,7 +187,25 @@ class StepEngine:
             d = await self.agent.allreduce(a, ex, tail, verify, compute_s, ask_next)
         except VOTE_LOST as e:
             return Vote(False, f"no commit decision: {e}")
-        return Vote(d.commit, d.reason or ("" if d.commit else "step aborted"), d.loss)
+        nxt = await self._ready_next(a, ask_next) if d.commit and ask_next >= 0 else None
+        return Vote(d.commit, d.reason or ("" if d.commit else "step aborted"), d.loss, nxt)
+
+    async def _ready_next(self, a: Assignment, step: int) -> Ticket | None:
+        """The fast path's last hop: when the grant for ``step`` came right behind the commit and
+        needs nothing before the body runs (same quorum id, so the group is open; no heal, no
+        restore, not a catch-up), the body gets its next ticket with this verdict, and the engine
+        takes the committed step's bookkeeping while the body already computes. Anything else
+        goes through acquire as usual."""
+        def plain(g: Assignment) -> bool:
+            return (g.quorum_id == a.quorum_id and not g.heal_from and not g.heal_targets
+                    and not g.restore_checkpoint and not g.catch_up)
+
+        g = self.agent.take_grant(step, plain)
+        if g is None:
+            return None
+        ticket = Ticket(g, g.step, exchange=await self.agent.exchange(g), handed=True)
+        self._handed = ticket
+        return ticket
 
     async def _after_commit(self, a: Assignment, step: int, loss: float | None) -> None:
         self.agent.committed(step)

@@ -253,6 +253,16 @@ class WorkerAgent(Healing):
                     pass
             raise PeerTimeout(f"no quorum formed within {limit_s:.1f} s") from e
 
+    def take_grant(self, step: int, ready: Callable[[Assignment], bool]) -> Assignment | None:
+        """The fast path: the grant for ``step`` if it is already here, on this connection, and
+        ``ready`` accepts it (consumed then, as ``wait_for_quorum`` would have); else None."""
+        early = self._early
+        if early is None or early[1] is not self._conn or early[0].step != step or not self.connected \
+                or not ready(early[0]):
+            return None
+        self._asked = self._early = None
+        return early[0]
+
     async def process_group(self, a: Assignment) -> ProcessGroup:
         if self._pg is not None and self._pg.quorum_id == a.quorum_id:
             return self._pg
@@ -288,8 +298,9 @@ class WorkerAgent(Healing):
         self._decisions[key] = asyncio.get_running_loop().create_future()
         t0 = self.host.now()
         ok, error = True, ""
-        # the progress mark is not awaited: the collective need not wait for a send
-        self.host.spawn(self._send_quiet(Progress(step=a.step, quorum_id=a.quorum_id, phase="allreduce")), "progress")
+        # the buckets are already on the wire: this mark (a send that only queues, no task of its
+        # own) delays no collective
+        await self._send_quiet(Progress(step=a.step, quorum_id=a.quorum_id, phase="allreduce"))
         try:
             if tail is not None:
                 ex.launch(tail, 0.0)
