@@ -358,7 +358,8 @@ class Job:
 
         self._spans.span("compute", st.started_s, step=st.number, quorum_id=st.quorum_id, samples=count)
         t0 = time.monotonic()
-        vote = self._call(self.engine.vote(st._a, ex, tail, verify, compute_s))
+        ex.launch(tail, 0.0)  # from this thread too: the tail need not wait for the hand-over
+        vote = self._call(self.engine.vote(st._a, ex, None, verify, compute_s))
         if error:  # the coverage was withheld, so the step aborted everywhere; now say why
             if buckets is not None:
                 buckets.renew()
