@@ -51,3 +51,22 @@ def test_switches_map_to_existing_configuration():
     assert no_progress.progress_timeout_s == NEVER_S
     assert no_progress.heartbeat_timeout_s == base.heartbeat_timeout_s
     assert collective_timeout_for(LabSwitches()) == 5.0
+
+
+def test_a_job_refuses_a_switch_it_cannot_act_on_instead_of_ignoring_it():
+    from phalanx.lab.jobs import run_sim
+
+    with lab_session(), pytest.raises(ConfigError, match="cannot switch off authentication"):
+        run_sim(2, 2, sw=off("authentication"))
+
+
+def test_mode_switches_turn_the_requested_mode_into_strict():
+    from phalanx.core.modes import ConsistencyMode, ModeConfig
+    from phalanx.lab.jobs import modes_for
+
+    available = ModeConfig(mode=ConsistencyMode.AVAILABLE)
+    assert modes_for(LabSwitches(), available).mode is ConsistencyMode.AVAILABLE
+    with lab_session():
+        assert modes_for(off("adaptive_shares"), available).mode is ConsistencyMode.STRICT
+        assert modes_for(off("infrequent_sync"), ModeConfig(mode=ConsistencyMode.LOCAL_SGD)).mode \
+            is ConsistencyMode.STRICT

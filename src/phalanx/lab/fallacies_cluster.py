@@ -127,7 +127,8 @@ def homogeneous_network(ctx: LabContext) -> Outcome:
 
     rows, data = [], {}
     runs = (("speed-sized shares", ALL_ON, ModeConfig(mode=ConsistencyMode.AVAILABLE)),
-            ("equal shares OFF", off("adaptive_shares"), ModeConfig()))
+            ("equal shares OFF", off("adaptive_shares"),
+             ModeConfig(mode=ConsistencyMode.AVAILABLE)))  # the switch makes it strict
     for label, sw, modes in runs:
         ctx.say(f"w0 4x slower, {label} on {ctx.where} ...")
         job = _hetero_job(ctx, label, workers, steps, faults, sw, modes)

@@ -9,13 +9,15 @@ run, which is all the measurements below use.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phalanx.core.modes import ModeConfig
+from phalanx.core.errors import ConfigError
+from phalanx.core.modes import ConsistencyMode, ModeConfig
 from phalanx.faults.plan import EMPTY_PLAN, FaultPlan
 from phalanx.lab.switches import ALL_ON, NEVER_S, LabSwitches
 from phalanx.membership.failure_detector import DetectorConfig
@@ -81,6 +83,28 @@ class JobRun:
         return t[-1] if t else None
 
 
+# the switches each kind of job acts on; any other switch off is refused rather than silently ignored
+_DETECTION = {"deadlines", "progress_detector", "collective_deadline", "timeout_margin"}
+_MODES = {"adaptive_shares", "infrequent_sync"}
+SIM_HONOURS = _DETECTION | _MODES | {"bandwidth_optimal_allreduce"}
+REAL_HONOURS = _DETECTION | _MODES | {"elastic_membership"}
+
+
+def modes_for(sw: LabSwitches, modes: ModeConfig) -> ModeConfig:
+    """adaptive_shares or infrequent_sync off: strict mode (equal shares, an all-reduce every step)
+    whatever mode the experiment asked for with the mechanism on."""
+    if sw.adaptive_shares and sw.infrequent_sync:
+        return modes
+    return dataclasses.replace(modes, mode=ConsistencyMode.STRICT)
+
+
+def _refuse_unhonoured(sw: LabSwitches, honoured: set[str], what: str) -> None:
+    ignored = [name for name in sw.off() if name not in honoured]
+    if ignored:
+        raise ConfigError(f"{what} cannot switch off {', '.join(ignored)}; it acts on {', '.join(sorted(honoured))} "
+                          "(the others have their own experiment: see phalanx.lab.switches.OFF_MEANS)")
+
+
 def detector_for(sw: LabSwitches, base: DetectorConfig = DetectorConfig()) -> DetectorConfig:
     hb = base.heartbeat_timeout_s if sw.timeout_margin else LOCAL_CALL_TIMEOUT_S
     if not sw.deadlines:
@@ -100,8 +124,8 @@ def run_sim(workers: int, steps: int, faults: Faults | None = None, *, seed: int
     if not sw.bandwidth_optimal_allreduce:
         base = cluster.get("collective", CollectiveModel())
         cluster["collective"] = CollectiveModel("tree", base.alpha_s, base.beta_s_per_byte)
-    if not sw.elastic_membership:
-        raise NotImplementedError("the simulator has no min_workers seam; elastic_membership runs on real processes")
+    _refuse_unhonoured(sw, SIM_HONOURS, "a simulated job")
+    cluster["modes"] = modes_for(sw, cluster.get("modes", ModeConfig()))
     sc = Scenario(workers, seed, detector=detector_for(sw),
                   collective_timeout_s=collective_timeout_for(sw, collective_timeout_s),
                   max_virtual_s=deadline_s, **cluster)
@@ -123,13 +147,14 @@ def run_real(run_dir: Path, workers: int, steps: int, faults: Faults | None = No
     from phalanx.runtime.launcher import LaunchConfig, launch, python_argv
     from phalanx.runtime.run_dir import claim_run_dir
 
+    _refuse_unhonoured(sw, REAL_HONOURS, "a real job")
     plan = plan_of(faults, workers)
     plan.require_supported("real")
     claim_run_dir(run_dir)
     argv = python_argv("phalanx.workload.charlm_train", "--steps", str(steps), "--seed", str(seed),
                        "--global-batch-size", "32", "--min-step-s", str(min_step_s))
     res = launch(LaunchConfig(argv=argv, workers=workers, run_dir=run_dir, fault_plan=plan, restart_failed=True,
-                              total_steps=steps, data_seed=seed, show_progress=False, modes=modes,
+                              total_steps=steps, data_seed=seed, show_progress=False, modes=modes_for(sw, modes),
                               detector=detector_for(sw), collective_timeout_s=collective_timeout_for(sw),
                               min_workers=1 if sw.elastic_membership else workers,
                               max_wall_s=max_wall_s, stall_timeout_s=stall_timeout_s))
