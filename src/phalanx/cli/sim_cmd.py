@@ -14,6 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                          description="Run phalanx's own coordinator and worker protocol on simulated machines "
                                      "in virtual time: seeded, replayable.")
     ssub = sim.add_subparsers(dest="sim_cmd", required=True)
+    from phalanx.cli.serve_cmd import register_sim_serve
+
+    register_sim_serve(ssub)  # `phalanx sim serve`: the router's decisions in virtual time (serve_cmd.py)
     r = ssub.add_parser("run", help="run one scenario")
     r.add_argument("--workers", type=int, default=64)
     r.add_argument("--steps", type=int, default=100)

@@ -241,6 +241,7 @@ class Router:
     async def _hedged(self, r: ReplicaState, path: str, body: dict[str, Any], tried: set[str]) -> tuple[int, Any]:
         primary = asyncio.ensure_future(self._attempt(r, path, body))
         tasks = {primary}
+        owner = {primary: r}
         delay = hedge_delay_s(self.history, self.cfg.policy) if self.cfg.hedging else None
         try:
             if delay is not None:
@@ -252,14 +253,23 @@ class Router:
                             tried.add(other.stats.replica_id)
                             self.hedges_total += 1
                             self.metrics.hedges.inc()
-                            tasks.add(asyncio.ensure_future(self._attempt(other, path, body)))
+                            hedge = asyncio.ensure_future(self._attempt(other, path, body))
+                            tasks.add(hedge)
+                            owner[hedge] = other
             error: BaseException | None = None
-            while tasks:
-                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            while tasks:  # bounded: each attempt ends by answer, error, timeout or its replica leaving rotation
+                done, tasks = await asyncio.wait(tasks, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     if t.exception() is None:
                         return t.result()  # the first answer wins; the loser is cancelled below
                     error = t.exception()
+                for t in [t for t in tasks if not owner[t].stats.healthy]:
+                    # frozen, hung or partitioned with the request in flight: nothing was sent to the
+                    # client, so it moves now instead of waiting out the fault (one answer at most: the
+                    # cancelled attempt's connection is closed)
+                    t.cancel()
+                    tasks.discard(t)
+                    error = AttemptFailed(f"{owner[t].stats.replica_id} left rotation with the request in flight", True)
             assert error is not None
             raise error
         finally:

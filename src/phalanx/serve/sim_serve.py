@@ -1,0 +1,316 @@
+"""``phalanx sim serve``: the router's decisions at scale, in virtual time.
+
+The very functions the real router calls (``routing_policy``: P2C x latency, P2C-queue, round-robin,
+retry budget, hedging at the rolling p95, outlier ejection; ``membership.failure_detector``'s
+heartbeat rule) decide here too; only the replicas and the network are modelled: a replica serves
+``slots`` requests at a time, each taking ``service_s`` x its straggler factor x U(0.8, 1.2), from
+a FIFO queue. Faults come from the same serving fault plans (kill, freeze, hang, straggler,
+latency, loss, partition). The code is plain asyncio reading ``loop.time()``: the caller runs it on
+``sim.loop.VirtualTimeLoop`` (this layer may not import ``sim``), so the same seed gives the same
+result, and an hour of traffic on 64 replicas takes seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.membership.failure_detector import DetectorConfig, Liveness, heartbeat_suspects
+from phalanx.serve.loadtest import quantile
+from phalanx.serve.replica_faults import RTO_MIN_S
+from phalanx.serve.routing_policy import (Policy, PolicyConfig, ReplicaStats, RollingLatency, after_failure, backoff_s,
+                                          choose_replica, hedge_delay_s, latency_outliers, may_hedge, may_retry)
+from phalanx.serve.serving_faults import ServingFault
+
+
+@dataclass(frozen=True)
+class SimServeConfig:
+    replicas: int = 64
+    rate_per_s: float = 300.0
+    duration_s: float = 30.0
+    service_s: float = 0.1
+    slots: int = 1  # requests a replica serves at once (the Ray Serve anchor: one)
+    policy: Policy = Policy.P2C_LATENCY
+    hedging: bool = False
+    seed: int = 0
+    attempts_max: int = 4
+    progress_timeout_s: float = 0.8
+    detector: DetectorConfig = DetectorConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
+
+
+class ReplicaGone(Exception):
+    def __init__(self, replica_gone: bool) -> None:
+        super().__init__("replica gone" if replica_gone else "failed")
+        self.replica_gone = replica_gone
+
+
+@dataclass
+class SimReplica:
+    stats: ReplicaStats
+    alive: bool = True
+    frozen_until_s: float = 0.0
+    hung_until_s: float = 0.0
+    partition_until_s: float = 0.0
+    factor: float = 1.0
+    latency_s: float = 0.0
+    loss_probability: float = 0.0
+    queue: deque[asyncio.Future[None]] = field(default_factory=deque)
+    pending: set[asyncio.Future[None]] = field(default_factory=set)
+    running: int = 0
+    last_progress_s: float = 0.0
+    last_heartbeat_s: float = 0.0
+    good_polls: int = 0
+    ever_healthy: bool = False
+
+
+class ServeSim:
+    def __init__(self, cfg: SimServeConfig, faults: list[ServingFault]) -> None:
+        self.cfg, self.faults = cfg, faults
+        self.pcfg = PolicyConfig(policy=cfg.policy)
+        self.reps = [SimReplica(ReplicaStats(f"r{i:03d}")) for i in range(cfg.replicas)]
+        self.rng_policy = random.Random(f"policy:{cfg.seed}")
+        self.rng_service = random.Random(f"service:{cfg.seed}")
+        self.rng_net = random.Random(f"net:{cfg.seed}")
+        self.history = RollingLatency()
+        self.latencies_s: list[float] = []
+        self.failed = self.retries = self.hedges = self.requests = self.active = self.retries_in_flight = 0
+        self.rr = 0
+        self.detections: list[dict[str, Any]] = []
+        self.by_id = {r.stats.replica_id: r for r in self.reps}
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # --- replicas (the model) ------------------------------------------------------------------------
+    def _net_delay_s(self, r: SimReplica) -> float:
+        """Latency plus TCP retransmissions for lost segments (200 ms RTO, doubling), as replica_faults does."""
+        wait, rto = r.latency_s, RTO_MIN_S
+        for _ in range(6):
+            if self.rng_net.random() >= r.loss_probability:
+                break
+            wait, rto = wait + rto, rto * 2
+        return wait
+
+    async def _serve_one(self, r: SimReplica, fut: asyncio.Future[None]) -> None:
+        r.running += 1
+        try:  # a cancelled request (hedge loser, moved) frees its slot at once, as the engine's cancel does
+            await asyncio.wait({fut}, timeout=self.cfg.service_s * r.factor * self.rng_service.uniform(0.8, 1.2))
+            while max(r.frozen_until_s, r.hung_until_s) > self.now():  # a stopped engine frees nothing,
+                await asyncio.sleep(max(r.frozen_until_s, r.hung_until_s) - self.now())  # not even cancelled work
+            while not fut.done() and r.partition_until_s > self.now():  # the answer cannot leave yet
+                await asyncio.wait({fut}, timeout=r.partition_until_s - self.now())
+            if r.alive and not fut.done():
+                fut.set_result(None)
+        finally:
+            r.running -= 1
+            self._start_next(r)
+
+    def _start_next(self, r: SimReplica) -> None:
+        while r.alive and r.running < self.cfg.slots and r.queue:
+            fut = r.queue.popleft()
+            if not fut.done():
+                asyncio.ensure_future(self._serve_one(r, fut))
+
+    async def _call(self, r: SimReplica) -> None:
+        """One attempt at one replica, as the router's HTTP call sees it."""
+        if not r.alive:
+            raise ReplicaGone(True)  # connection refused at once
+        await asyncio.sleep(self._net_delay_s(r))
+        while max(r.partition_until_s, r.frozen_until_s) > self.now():  # no answer until it heals or thaws
+            await asyncio.sleep(max(r.partition_until_s, r.frozen_until_s) - self.now())
+        if not r.alive:
+            raise ReplicaGone(True)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        r.queue.append(fut)
+        r.pending.add(fut)
+        try:
+            self._start_next(r)
+            await fut
+        finally:
+            r.pending.discard(fut)
+            fut.cancel()
+        await asyncio.sleep(self._net_delay_s(r))
+
+    def _fail_pending(self, r: SimReplica) -> None:
+        for fut in list(r.pending):
+            if not fut.done():
+                fut.set_exception(ReplicaGone(True))
+
+    # --- the router (the same decisions as serve.router) ------------------------------------------
+    async def _attempt(self, r: SimReplica) -> None:
+        r.stats.outstanding += 1
+        t0 = self.now()
+        try:
+            await self._call(r)
+        except ReplicaGone:
+            if not r.alive and r.stats.healthy:
+                self._set_health(r, False, "connection refused")
+            after_failure(self.now(), r.stats, self.pcfg)
+            raise
+        finally:
+            r.stats.outstanding -= 1
+        r.stats.observe(self.now() - t0, self.pcfg.ewma_alpha)
+
+    def _choose(self, tried: set[str]) -> SimReplica | None:
+        stats = [r.stats for r in self.reps]
+        picked, _ = choose_replica(self.now(), stats, self.pcfg, self.rng_policy, self.rr, frozenset(tried))
+        self.rr += 1
+        if picked is None:
+            picked, _ = choose_replica(self.now(), stats, self.pcfg, self.rng_policy, self.rr)
+        return None if picked is None else self.by_id[picked.replica_id]
+
+    async def _hedged(self, r: SimReplica, tried: set[str]) -> None:
+        tasks = {asyncio.ensure_future(self._attempt(r))}
+        delay = hedge_delay_s(self.history, self.pcfg) if self.cfg.hedging else None
+        try:
+            if delay is not None:
+                done, _ = await asyncio.wait(tasks, timeout=delay)
+                if not done and may_hedge(self.requests, self.hedges, self.pcfg)[0]:
+                    other = self._choose(tried)
+                    if other is not None and other is not r:
+                        tried.add(other.stats.replica_id)
+                        self.hedges += 1
+                        tasks.add(asyncio.ensure_future(self._attempt(other)))
+            error: BaseException | None = None
+            while tasks:
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t.exception() is None:
+                        return
+                    error = t.exception()
+            assert error is not None
+            raise error
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _request(self) -> None:
+        t0 = self.now()
+        self.active += 1
+        self.requests += 1
+        tried: set[str] = set()
+        gone = False
+        try:
+            for attempt in range(self.cfg.attempts_max):
+                if attempt:
+                    if not may_retry(self.active, self.retries_in_flight, attempt, self.pcfg, self.cfg.attempts_max,
+                                     gone)[0]:
+                        break
+                    await asyncio.sleep(backoff_s(attempt, self.rng_policy))
+                r = self._choose(tried)
+                if r is None:
+                    gone = True
+                    await asyncio.sleep(0.05)
+                    continue
+                tried.add(r.stats.replica_id)
+                self.retries += 1 if attempt else 0
+                self.retries_in_flight += 1 if attempt else 0
+                try:
+                    await self._hedged(r, tried)
+                    self.latencies_s.append(self.now() - t0)
+                    self.history.add(self.now() - t0)
+                    return
+                except ReplicaGone as e:
+                    gone = e.replica_gone
+                finally:
+                    self.retries_in_flight -= 1 if attempt else 0
+            self.failed += 1
+        finally:
+            self.active -= 1
+
+    # --- membership (the failure detector's heartbeat rule plus the progress rule) -----------------
+    def _set_health(self, r: SimReplica, healthy: bool, reason: str) -> None:
+        r.stats.healthy = healthy
+        if healthy:
+            r.ever_healthy = True
+        else:
+            r.good_polls = 0
+            self._fail_pending(r)  # the router moves requests off a replica that left rotation
+        self.detections.append({"t_s": round(self.now(), 3), "replica": r.stats.replica_id, "healthy": healthy,
+                                "reason": reason})
+
+    async def _membership(self, until_s: float) -> None:
+        cfg = self.cfg.detector
+        while self.now() < until_s:
+            now = self.now()
+            for r in self.reps:
+                answers = r.alive and r.frozen_until_s <= now and r.partition_until_s <= now
+                r.last_heartbeat_s = now if answers else r.last_heartbeat_s
+                r.good_polls = r.good_polls + 1 if answers else 0
+                if r.alive and r.frozen_until_s <= now and r.hung_until_s <= now:
+                    r.last_progress_s = now
+            live = {r.stats.replica_id: Liveness(r.alive and r.good_polls > 0, r.last_heartbeat_s) for r in self.reps}
+            suspects = {s.worker_id: s.reason for s in heartbeat_suspects(now, live, cfg)}
+            for r in self.reps:
+                busy = r.running > 0 or bool(r.queue)
+                if busy and now - r.last_progress_s > self.cfg.progress_timeout_s:
+                    suspects.setdefault(r.stats.replica_id, "no progress with work queued")
+                if r.stats.replica_id in suspects and r.stats.healthy:
+                    self._set_health(r, False, suspects[r.stats.replica_id])
+                elif r.stats.replica_id not in suspects and not r.stats.healthy and r.good_polls >= 3:
+                    self._set_health(r, True, "heartbeats and progress")
+            for s, _ in latency_outliers(now, [r.stats for r in self.reps], self.pcfg):
+                s.ejected_until_s = now + self.pcfg.ejection_s
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+
+    # --- faults and the run ----------------------------------------------------------------------
+    async def _faults(self) -> None:
+        for f in sorted(self.faults, key=lambda f: (f.at_s, f.line)):
+            await asyncio.sleep(max(0.0, f.at_s - self.now()))
+            if not 0 <= f.replica < len(self.reps):
+                continue
+            r, until = self.reps[f.replica], self.now() + (f.for_s if f.for_s else 1e9)
+            params = dict(f.params)
+            if f.kind == "kill":
+                r.alive = False
+                self._fail_pending(r)  # their connections reset
+            elif f.kind in ("freeze", "hang", "partition"):
+                setattr(r, {"freeze": "frozen_until_s", "hang": "hung_until_s", "partition": "partition_until_s"}[f.kind],
+                        until)
+            elif f.kind == "straggler":
+                r.factor = f.factor
+            elif f.kind == "latency":
+                r.latency_s = float(params.get("mean_ms", 0.0)) / 1000
+            elif f.kind == "loss":
+                r.loss_probability = float(params.get("probability", 0.0))
+
+    async def run(self) -> dict[str, Any]:
+        self.by_id = {r.stats.replica_id: r for r in self.reps}
+        for r in self.reps:
+            r.stats.healthy = r.ever_healthy = True
+        arrivals = random.Random(f"arrivals:{self.cfg.seed}")
+        tasks = [asyncio.ensure_future(self._membership(self.cfg.duration_s + 60)), asyncio.ensure_future(self._faults())]
+        requests: set[asyncio.Future[None]] = set()
+        t = arrivals.expovariate(self.cfg.rate_per_s)
+        while t < self.cfg.duration_s:
+            await asyncio.sleep(t - self.now())
+            fut = asyncio.ensure_future(self._request())
+            requests.add(fut)
+            fut.add_done_callback(requests.discard)
+            t += arrivals.expovariate(self.cfg.rate_per_s)
+        if requests:
+            await asyncio.wait(set(requests), timeout=60.0)
+        for task in tasks:
+            task.cancel()
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        lat = self.latencies_s
+        return {"policy": self.cfg.policy.value + ("+hedge" if self.cfg.hedging else ""), "seed": self.cfg.seed,
+                "replicas": self.cfg.replicas, "rate_per_s": self.cfg.rate_per_s, "requests": self.requests,
+                "ok": len(lat), "failed": self.failed, "retries": self.retries, "hedges": self.hedges,
+                "latency_s": {k: None if quantile(lat, q) is None else round(quantile(lat, q) or 0.0, 6)
+                              for k, q in (("p50", 0.5), ("p99", 0.99), ("p99.9", 0.999))},
+                "membership": self.detections[:200]}
+
+
+POLICY_CASES = [(Policy.ROUND_ROBIN, False), (Policy.P2C_QUEUE, False), (Policy.P2C_LATENCY, False),
+                (Policy.P2C_LATENCY, True)]
+
+
+def simulate(cfg: SimServeConfig, faults: list[ServingFault]) -> Any:
+    """The coroutine of one run; await it on a virtual-time loop (``sim.loop.VirtualTimeLoop``)."""
+    return ServeSim(cfg, faults).run()
