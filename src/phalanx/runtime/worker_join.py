@@ -42,7 +42,7 @@ def join(**overrides: Any) -> Job:
     net = NetworkFaults.install(host, coordinator, random.Random(f"net:{data_seed}:{worker_id}"))
     cfg = WorkerConfig(worker_id=worker_id, coordinator_address=coordinator,
                        heal_bind=env.get("PHALANX_HEAL_BIND", "127.0.0.1:0"))
-    agent = WorkerAgent(host, cfg, lambda addr: net.wrap(TorchProcessGroupFactory(addr, token)))
+    agent = WorkerAgent(host, cfg, lambda addr, run_id: net.wrap(TorchProcessGroupFactory(addr, token, run_id=run_id)))
     job = Job(agent, loop, run_dir, data_seed, worker_id)
     net.log = job._spans.event
     agent._on_fault = net.route(job.faults.on_fault)  # called on the control thread

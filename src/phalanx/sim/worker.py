@@ -95,7 +95,7 @@ class SimWorker:
         cfg = WorkerConfig(worker_id=self.worker_id, coordinator_address=env.coordinator_address, heal_bind="heal",
                            connect_timeout_s=5.0, quorum_timeout_s=env.max_virtual_s, decision_timeout_s=30.0,
                            heal_timeout_s=10.0, reconnect_timeout_s=30.0, pid=10_000 + self.index)
-        self.agent = WorkerAgent(host, cfg, lambda _addr: env.pgf.for_node(self.node), self._capture)
+        self.agent = WorkerAgent(host, cfg, lambda _addr, _run_id: env.pgf.for_node(self.node), self._capture)
         self.engine = StepEngine(self.agent, self, self, self)
         self.task = env.net.spawn(self.node, self._run(), "loop")
 

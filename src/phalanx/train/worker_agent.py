@@ -74,7 +74,7 @@ class Assignment:
 
 
 class WorkerAgent(Healing):
-    def __init__(self, host: Host, cfg: WorkerConfig, pg_factory: Callable[[str], ProcessGroupFactory],
+    def __init__(self, host: Host, cfg: WorkerConfig, pg_factory: Callable[[str, str], ProcessGroupFactory],
                  state_provider: StateProvider | None = None,
                  on_fault: Callable[[InjectFault], None] | None = None) -> None:
         self.host, self.cfg = host, cfg
@@ -271,7 +271,7 @@ class WorkerAgent(Healing):
             self._pg = None
         if self._pg_factory is None:
             assert self.welcome is not None
-            self._pg_factory = self._make_pg_factory(self.welcome.store_address)
+            self._pg_factory = self._make_pg_factory(self.welcome.store_address, self.welcome.run_id)
         timeout_s = self.welcome.collective_timeout_s if self.welcome else 5.0
         self._pg = await self._race_broken(a, self._pg_factory.create(a.quorum_id, a.rank, a.world_size, timeout_s))
         return self._pg

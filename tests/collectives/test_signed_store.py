@@ -1,0 +1,49 @@
+"""Rendezvous values are signed with the cluster key and bound to the job and the quorum: a party
+that can reach the TCPStore but lacks the token cannot inject a peer into a process group."""
+
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from phalanx.collectives.process_group import signed_store
+
+
+def test_a_signed_value_reads_back_and_a_forged_or_foreign_one_is_refused():
+    inner = dist.HashStore()
+    store = signed_store(inner, b"token", "run-a")
+    store.set("ns/q3/rank_0", b"10.0.0.1:4000")
+    assert store.get("ns/q3/rank_0") == b"10.0.0.1:4000"
+    inner.set("ns/q3/rank_1", b"attacker:6666")  # written by someone without the token
+    with pytest.raises(RuntimeError, match="not signed with this job's cluster key"):
+        store.get("ns/q3/rank_1")
+    other_job = signed_store(inner, b"token", "run-b")  # same token, another run
+    other_job.set("ns/q3/rank_2", b"x")
+    with pytest.raises(RuntimeError, match="not signed"):
+        store.get("ns/q3/rank_2")
+    inner.set("ns/q4/rank_0", inner.get("ns/q3/rank_0"))  # a valid value replayed under another quorum
+    with pytest.raises(RuntimeError, match="not signed"):
+        store.get("ns/q4/rank_0")
+
+
+_WORKER = """
+import datetime, sys, torch, torch.distributed as dist
+from phalanx.collectives.process_group import signed_store
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+inner = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+signed = signed_store(inner, b"token", "run")
+pg = dist.ProcessGroupGloo(dist.PrefixStore("q1", signed), rank, 2, datetime.timedelta(seconds=30))
+t = torch.ones(3) * (rank + 1)
+pg.allreduce([t]).wait()
+print(t.tolist())
+"""
+
+
+def test_gloo_forms_a_group_through_the_signed_store():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(r), str(master.port)], stdout=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all("[3.0, 3.0, 3.0]" in o for o in outs)
