@@ -21,6 +21,7 @@ from phalanx.bench import serving as bench
 from phalanx.lab.context import LabContext
 from phalanx.lab.outcome import Outcome, new_figure, png
 from phalanx.serve.cluster import make_token_file, spawn_replicas, spawn_router, stop_replicas
+from phalanx.serve.errors import ServeError
 from phalanx.serve.loadtest import LoadSpec, run_load, summarize
 
 QUESTION = ("One replica of five is 10x slower. What does each routing policy do to the latency tail: does the "
@@ -59,6 +60,7 @@ def run(ctx: LabContext) -> Outcome:
             ctx.say(f"{name}: {rate:.1f} req/s for {duration_s:g} s ...")
             router = spawn_router(chosen, token_file, policy, hedging)
             try:
+                _wait_until_serving(router.url)  # the router has seen its replicas healthy: load starts now
                 spec = LoadSpec(url=router.url, duration_s=duration_s, rate_per_s=rate, max_tokens=MAX_TOKENS,
                                 timeout_s=60)
                 results[name] = summarize(spec, asyncio.run(run_load(spec)))
@@ -69,16 +71,35 @@ def run(ctx: LabContext) -> Outcome:
     return _outcome(results, service_s, rate, duration_s)
 
 
+BODY = {"model": "phalanx-charlm", "prompt": "The ", "max_tokens": MAX_TOKENS, "temperature": 0.8}
+WARM_DEADLINE_S = 30.0
+
+
+def _wait_until_serving(url: str) -> None:
+    """One request answered through the router (bounded retries): on a loaded machine a fresh
+    router can answer 503 until its first health probes of the replicas come back."""
+    deadline = time.monotonic() + WARM_DEADLINE_S
+    with httpx.Client(timeout=10) as c:
+        while True:
+            try:
+                if c.post(url + "/v1/completions", json=BODY).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServeError(f"the router at {url} served nothing within {WARM_DEADLINE_S:g} s")
+            time.sleep(0.2)
+
+
 def _service_time_s(urls: dict[str, str], token_file: Path, n: int) -> float:
     """One fast replica's time per request, unloaded, through a router (which signs the requests)."""
     router = spawn_router({"r0": urls["r0"]}, token_file, "round-robin")
-    body = {"model": "phalanx-charlm", "prompt": "The ", "max_tokens": MAX_TOKENS, "temperature": 0.8}
     try:
+        _wait_until_serving(router.url)
         with httpx.Client(timeout=30) as c:
-            c.post(router.url + "/v1/completions", json=body).raise_for_status()  # warm-up
             t0 = time.monotonic()
             for i in range(n):
-                c.post(router.url + "/v1/completions", json=dict(body, seed=i)).raise_for_status()
+                c.post(router.url + "/v1/completions", json=dict(BODY, seed=i)).raise_for_status()
         return (time.monotonic() - t0) / n
     finally:
         router.stop()
