@@ -56,7 +56,7 @@ def build(name: str) -> Workload:
     y = torch.randn(MLP_DATASET, d_out, generator=g)
 
     def batch(idx: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.as_tensor(idx, dtype=torch.long)
+        t = torch.tensor(idx, dtype=torch.long)  # a copy: the indices may be a read-only view
         return x[t], y[t]
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -74,7 +74,7 @@ class Healing:
             await conn.send(HealAck(quorum_id=a.quorum_id, checksum=checksum, ok=ok))
             if not ok:
                 raise HealError(f"state from {a.heal_from} failed its checksum ({checksum[:12]} != {offer.checksum[:12]})")
-            from phalanx.checkpoint.state_codec import join_chunks
+            from phalanx.checkpoint.chunks import join_chunks
             buffers = join_chunks(chunks, list(offer.buffer_sizes))
             return HealedState(offer.state_header, buffers, checksum, a.heal_from)
         finally:
@@ -113,7 +113,7 @@ class Healing:
                 return
             step_, header, buffers, checksum = self._capture(a)
             chunk_bytes = self.cfg.heal_chunk_bytes
-            from phalanx.checkpoint.state_codec import chunk_buffers
+            from phalanx.checkpoint.chunks import chunk_buffers
             chunks = chunk_buffers(buffers, chunk_bytes)
             frames = frames_of(chunks, chunk_bytes, MAX_BUFFERS)
             await conn.send(HealOffer(quorum_id=a.quorum_id, step=a.step, state_header=header,
