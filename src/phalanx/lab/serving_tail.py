@@ -1,10 +1,11 @@
 """``serving-tail``: one slow replica, routing policies side by side.
 
-Built like the serving benchmark (bench/serving.py: its policy cases, five replicas with one 10x
-slow, a router process per policy, load at a share of the measured capacity) from the serve layer's
-public pieces (serve/cluster.py replica and router processes under a fresh cluster token,
-serve/loadtest.py Poisson load and percentiles): real processes on loopback, the same load for
-every policy.
+The serving benchmark's slow-replica case (bench/serving.py: five replicas, one 10x slow, a router
+process per policy, load at a share of the measured capacity), built from the serve layer's public
+pieces (serve/cluster.py replica and router processes under a fresh cluster token, serve/loadtest.py
+Poisson load and percentiles) so that its short form fits ``phalanx lab all --quick``: the
+benchmark's own ``slow_replica`` (being reworked in the same tree) took 2.5 minutes in its short
+form here. Real processes on loopback, the same load for every policy.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 
 import httpx
 
-from phalanx.bench import serving as bench
 from phalanx.lab.context import LabContext
 from phalanx.lab.outcome import Outcome, new_figure, png
 from phalanx.serve.cluster import make_token_file, spawn_replicas, spawn_router, stop_replicas
@@ -28,23 +28,26 @@ QUESTION = ("One replica of five is 10x slower. What does each routing policy do
             "slow replica set everyone's p99, or does the router route around it?")
 SLOW_REPLICA = 3
 MAX_TOKENS = 16
+LOAD = 0.5  # share of the capacity: 4 replicas compute side by side only as far as there are cores
 
 
 # Round-robin runs last: it leaves a backlog on the slow replica (every fourth request, at a tenth
 # of the speed) that outlives its router and would otherwise land on the next policy's clock.
-ORDER = ("healthy", "p2c-latency", "p2c-latency+hedge", "p2c-queue", "round-robin")
+# case -> (routing policy, hedging), as the serving benchmark's slow-replica cases
+CASES = {"healthy": ("p2c-latency", False), "p2c-latency": ("p2c-latency", False),
+         "p2c-latency+hedge": ("p2c-latency", True), "p2c-queue": ("p2c-queue", False),
+         "round-robin": ("round-robin", False)}
 
 
 def _cases(quick: bool) -> list[tuple[str, str, bool]]:
-    keep = ("healthy", "p2c-latency", "round-robin") if quick else ORDER
-    by_name = {c[0]: c for c in bench.CASES}
-    return [by_name[n] for n in ORDER if n in keep and n in by_name]
+    names = ("healthy", "p2c-latency", "round-robin") if quick else tuple(CASES)
+    return [(n, *CASES[n]) for n in names]
 
 
 def run(ctx: LabContext) -> Outcome:
     if ctx.sim:
         ctx.say("no simulator form: running real replica processes")
-    duration_s = 5.0 if ctx.quick else 20.0
+    duration_s, warmup_s = (5.0, 2.0) if ctx.quick else (20.0, 3.0)
     token_file = make_token_file(ctx.out_dir / "serve")  # a fresh cluster token for this experiment, mode 600
     ctx.say("starting 5 replica processes (r3 10x slow) ...")
     reps = spawn_replicas(5, ["--random-weights", "0", "--batch-size-max", "1", "--queue-depth-max", "10000"],
@@ -53,14 +56,17 @@ def run(ctx: LabContext) -> Outcome:
     try:
         urls = {r.replica_id: r.url for r in reps}
         service_s = _service_time_s(urls, token_file, 8 if ctx.quick else 20)
-        rate = 0.6 * min(4, os.cpu_count() or 1) / service_s
+        rate = LOAD * min(4, os.cpu_count() or 1) / service_s
         for name, policy, hedging in _cases(ctx.quick):
             # healthy: the four fast replicas; the others: three fast ones and the slow one
             chosen = {k: v for k, v in urls.items() if k != (f"r{SLOW_REPLICA}" if name == "healthy" else "r4")}
             ctx.say(f"{name}: {rate:.1f} req/s for {duration_s:g} s ...")
             router = spawn_router(chosen, token_file, policy, hedging)
             try:
-                _wait_until_serving(router.url)  # the router has seen its replicas healthy: load starts now
+                _wait_until_serving(router.url)  # the router has seen its replicas healthy
+                # a warm router, as in production: its first seconds teach it the replicas' latencies
+                asyncio.run(run_load(LoadSpec(url=router.url, duration_s=warmup_s, rate_per_s=rate,
+                                              max_tokens=MAX_TOKENS, timeout_s=60, seed=99)))
                 spec = LoadSpec(url=router.url, duration_s=duration_s, rate_per_s=rate, max_tokens=MAX_TOKENS,
                                 timeout_s=60)
                 results[name] = summarize(spec, asyncio.run(run_load(spec)))
@@ -120,7 +126,8 @@ def _outcome(results: dict[str, dict[str, Any]], service_s: float, rate: float, 
     return Outcome("serving-tail", QUESTION,
                    f"Real: 5 replica processes on loopback (one request at a time each; r{SLOW_REPLICA} 10x slow), one "
                    "router process per policy in front of 4 of them (healthy: the 4 fast; others: 3 fast + the slow "
-                   f"one), Poisson load at 60% of measured capacity, {MAX_TOKENS} tokens per request.",
+                   f"one), each router warmed for a few seconds, then Poisson load at {LOAD:.0%} of measured capacity, "
+                   f"{MAX_TOKENS} tokens per request.",
                    ["policy", "ok", "errors", "p50 (s)", "p99 (s)", "p99 / healthy"], rows, para,
                    "round-robin's p99 is above healthy and p2c-latency's is below round-robin's", held,
                    {"service_time_s": service_s, "rate_per_s": rate, "results": results},
