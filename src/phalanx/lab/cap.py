@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.core.modes import ConsistencyMode, ModeConfig
-from phalanx.lab.context import LabContext
 from phalanx.faults.plan import load_fault_plan
+from phalanx.lab.context import LabContext
 from phalanx.lab.jobs import run_sim
 from phalanx.lab.outcome import Outcome, new_figure, png
 from phalanx.sim.scenario import Scenario

@@ -14,13 +14,12 @@ from typing import Any
 
 from phalanx.core.modes import ConsistencyMode, ModeConfig
 from phalanx.lab.context import LabContext
-from phalanx.lab.jobs import JobRun, run_real, run_sim
 from phalanx.lab.fallacies import bar_plot
+from phalanx.lab.jobs import JobRun, run_real, run_sim
 from phalanx.lab.outcome import Outcome, new_figure, png
-from phalanx.lab.sandboxes import forged_frame_trial, foreign_folder_trial
+from phalanx.lab.sandboxes import foreign_folder_trial, forged_frame_trial
 from phalanx.lab.switches import ALL_ON, LabSwitches, off
 from phalanx.sim.scenario import Scenario
-
 
 FIXED_WORLD_DEADLINE_S = 25.0  # the fixed world never finishes once a worker is gone: the lab stops it here
 

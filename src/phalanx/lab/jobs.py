@@ -67,7 +67,8 @@ class JobRun:
         """When the run ended on its own clock (a hung simulated run: at its deadline)."""
         if self.simulated:
             return float(self.summary.get("virtual_s", 0.0))
-        return self.last_commit_s()
+        times = [float(e["t"]) for e in self.events if "t" in e]  # the coordinator's clock
+        return max(times) if times else None
 
     def longest_stall_s(self) -> float:
         """The longest time without a commit, counting the time from the last commit to the end."""

@@ -31,7 +31,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("partial-failure", "partial_failure",
                "crash vs freeze vs slow vs lossy link vs hung-but-heartbeating: detection, recovery, work lost",
                quick_sim=True),
-    Experiment("fallacy-reliable-network", "fallacies", "a partition with deadlines off hangs the job",
+    Experiment("fallacy-reliable-network", "fallacies", "a partition with deadlines off hangs the job (--real too)",
                attr="reliable_network", sim_by_default=True),
     Experiment("fallacy-zero-latency", "fallacies", "a heartbeat timeout sized for a local link, on 20 ms links",
                attr="zero_latency", sim_by_default=True),
