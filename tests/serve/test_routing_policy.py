@@ -80,3 +80,11 @@ def test_a_request_whose_replica_died_is_retried_outside_the_budget_but_within_a
     assert may_retry(10, 50, 1, cfg)[0] is False  # overload-shaped failure: the budget holds
     assert may_retry(10, 50, 1, cfg, replica_gone=True)[0] is True  # moving a dead replica's request adds no load
     assert may_retry(10, 0, 3, cfg, attempts_max=3, replica_gone=True)[0] is False
+
+
+def test_a_request_in_flight_longer_than_the_ewma_makes_its_replica_look_slow_at_once():
+    fast = ReplicaStats("a", healthy=True, outstanding=2, ewma_latency_s=0.1, samples=50)
+    fresh = ReplicaStats("b", healthy=True, outstanding=1, samples=0, inflight_since_s=[0.0])  # never answered yet
+    cfg = PolicyConfig(policy=Policy.P2C_LATENCY)
+    assert choose_replica(0.05, [fast, fresh], cfg, random.Random(0), 0)[0] is fresh  # young request: not yet suspect
+    assert choose_replica(1.0, [fast, fresh], cfg, random.Random(0), 0)[0] is fast  # 1 s in flight vs 0.1 s typical

@@ -1,8 +1,14 @@
-"""`python -m phalanx.bench serving`: routing policies side by side with one replica 10x slow.
+"""`python -m phalanx.bench serving`: the serving figures of issue 13, side by side in one run.
 
-4 replicas, each serving one request at a time (as in the Ray Serve anchor), one slowed 10x by a
-straggler fault; Poisson load at 70 % of the healthy capacity measured in the same run; p50 / p99 /
-p99.9 for each policy with ratios to the all-healthy run.
+1. slow replica: 4 replicas serving one request at a time (the Ray Serve anchor's shape), one slowed
+   10x by a straggler fault; Poisson load at 70 % of the healthy capacity measured in this run;
+   p50 / p99 / p99.9 per policy, ratio to the all-healthy p99, extra requests from hedging;
+2. failover: SIGKILL one of 4 replicas under load: p99 of the requests sent in the second after the
+   kill against the p99 before it, failed requests;
+3. router overhead: the same replica called directly and through the router at 200 req/s;
+4. continuous batching: tokens/s with 32 concurrent streams against 1.
+
+Replicas serve untrained weights (the bundled model's shape): timing does not depend on the values.
 """
 
 from __future__ import annotations
@@ -11,85 +17,32 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from phalanx.serve.cluster import spawn_replicas, stop_replicas
-from phalanx.serve.loadtest import LoadSpec, run_load, summarize
-from phalanx.serve.router_main import READY_LINE
+from phalanx.core.auth import read_token_file
+from phalanx.serve.cluster import make_token_file, spawn_replicas, spawn_router, stop_replicas
+from phalanx.serve.loadtest import LoadSpec, quantile, run_load, summarize
+from phalanx.serve.request_auth import ClusterTokenAuth
 
-CASES = [("healthy", "p2c-latency", False), ("round-robin", "round-robin", False), ("p2c-queue", "p2c-queue", False),
-         ("p2c-latency", "p2c-latency", False), ("p2c-latency+hedge", "p2c-latency", True)]
-
-
-def _router(urls: dict[str, str], policy: str, hedging: bool) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "phalanx.serve.router_main", "--port", "0", "--policy", policy,
-           *[f"--replica={k}={v}" for k, v in sorted(urls.items())]] + (["--hedging"] if hedging else [])
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert p.stdout is not None
-    line = p.stdout.readline()
-    if not line.startswith(READY_LINE):
-        p.kill()
-        raise RuntimeError("router did not start")
-    return p, f"http://127.0.0.1:{line.split()[1]}"
+SLOW_CASES = [("healthy", "p2c-latency", False), ("round-robin", "round-robin", False), ("p2c-queue", "p2c-queue", False),
+              ("p2c-latency", "p2c-latency", False), ("p2c-latency+hedge", "p2c-latency", True)]
+MODEL_ARGS = ["--random-weights", "0"]
 
 
-def _service_time_s(url: str, max_tokens: int, n: int = 20) -> float:
+def _service_time_s(url: str, token: bytes, max_tokens: int, n: int = 20) -> float:
     body = {"model": "phalanx-charlm", "prompt": "The ", "max_tokens": max_tokens, "temperature": 0.8}
-    with httpx.Client(timeout=30) as c:
+    with httpx.Client(timeout=30, auth=ClusterTokenAuth(token)) as c:
         c.post(url + "/v1/completions", json=body)
         t0 = time.monotonic()
         for i in range(n):
             c.post(url + "/v1/completions", json=dict(body, seed=i))
     return (time.monotonic() - t0) / n
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--duration-s", type=float, default=20.0)
-    ap.add_argument("--load", type=float, default=0.7)
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--out", default="runs/bench-serving.json")
-    args = ap.parse_args()
-    reps = spawn_replicas(5, ["--random-weights", "0", "--batch-size-max", "1", "--queue-depth-max", "10000"],
-                          {3: ["--slowdown-factor", "10"]})
-    results: dict[str, dict] = {}
-    try:
-        urls = {r.replica_id: r.url for r in reps}
-        service_s = _service_time_s(urls["r0"], args.max_tokens)
-        # 4 replicas compute in parallel only as far as there are cores (2 here): capacity is what the box can do
-        rate = args.load * min(4, os.cpu_count() or 1) / service_s
-        print(f"service time {service_s * 1000:.1f} ms -> capacity {rate / args.load:.1f} req/s; load {rate:.1f} req/s",
-              flush=True)
-        for name, policy, hedging in CASES:
-            chosen = {k: v for k, v in urls.items() if k != ("r3" if name == "healthy" else "r4")}
-            proc, url = _router(chosen, policy, hedging)
-            try:
-                res = asyncio.run(run_load(LoadSpec(url=url, duration_s=args.duration_s, rate_per_s=rate,
-                                                    max_tokens=args.max_tokens, timeout_s=60)))
-                results[name] = summarize(LoadSpec(url=url, rate_per_s=rate), res)
-                results[name]["extra_requests_hedges"] = _metric(url, "phalanx_router_hedges_total")
-            finally:
-                proc.kill()
-                proc.wait(10)
-            lat = results[name]["latency_s"]
-            print(f"{name:20s} ok {results[name]['ok']:5d} err {results[name]['errors']:3d} "
-                  f"p50 {lat['p50']:.3f} p99 {lat['p99']:.3f} p99.9 {lat['p99.9']:.3f}", flush=True)
-    finally:
-        stop_replicas(reps)
-    base = results["healthy"]["latency_s"]
-    print("\n| policy | ok | failed | p50 s | p99 s | p99.9 s | p99 / healthy |\n|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        lat = r["latency_s"]
-        print(f"| {name} | {r['ok']} | {r['errors']} | {lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99.9']:.3f} | "
-              f"{lat['p99'] / base['p99']:.2f}x |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"service_time_s": service_s, "rate_per_s": rate, "results": results}, indent=2))
-    return 0
 
 
 def _metric(url: str, name: str) -> float:
@@ -98,6 +51,181 @@ def _metric(url: str, name: str) -> float:
     except httpx.HTTPError:
         return 0.0
     return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name))
+
+
+def _row(name: str, r: dict[str, Any], base_p99: float) -> str:
+    lat = r["latency_s"]
+    return (f"| {name} | {r['ok']} | {r['errors']} | {lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99.9']:.3f} | "
+            f"{lat['p99'] / base_p99:.2f}x | {r.get('hedges', 0):.0f} ({100 * r.get('hedges', 0) / max(r['ok'], 1):.1f} %) |")
+
+
+def _base_slowdown(token_file: Path, max_tokens: int, target_s: float) -> tuple[float, float]:
+    """The slowdown that makes one request take ``target_s`` (mostly waiting, like the anchor's replicas:
+    4 of them then run side by side on 2 cores); returns (factor, CPU time of one request)."""
+    probe = spawn_replicas(1, MODEL_ARGS + ["--batch-size-max", "1"], token_file)
+    try:
+        cpu_s = _service_time_s(probe[0].url, read_token_file(token_file), max_tokens)
+    finally:
+        stop_replicas(probe)
+    return max(1.0, target_s / cpu_s), cpu_s
+
+
+def slow_replica(token_file: Path, duration_s: float, load: float, max_tokens: int, warmup_s: float = 3.0,
+                 target_service_s: float = 0.25) -> dict[str, Any]:
+    token = read_token_file(token_file)
+    base, cpu_s = _base_slowdown(token_file, max_tokens, target_service_s)
+    reps = spawn_replicas(5, MODEL_ARGS + ["--batch-size-max", "1", "--queue-depth-max", "10000"], token_file,
+                          {i: ["--slowdown-factor", f"{base * (10 if i == 3 else 1):.3f}"] for i in range(5)})
+    results: dict[str, Any] = {}
+    try:
+        urls = {r.replica_id: r.url for r in reps}
+        service_s = _service_time_s(urls["r0"], token, max_tokens)
+        rate = load * 4 / service_s
+        print(f"[slow replica] one request: {cpu_s * 1000:.1f} ms CPU, {service_s * 1000:.1f} ms served (slowdown "
+              f"{base:.2f}) -> load {rate:.1f} req/s", flush=True)
+        for name, policy, hedging in SLOW_CASES:
+            chosen = {k: v for k, v in urls.items() if k != ("r3" if name == "healthy" else "r4")}
+            router = spawn_router(chosen, token_file, policy, hedging)
+            try:  # a warm router (as in production): the first seconds teach it the replicas' latencies
+                asyncio.run(run_load(LoadSpec(url=router.url, duration_s=warmup_s, rate_per_s=rate,
+                                              max_tokens=max_tokens, timeout_s=60, seed=99)))
+                hedges0 = _metric(router.url, "phalanx_router_hedges_total")
+                res = asyncio.run(run_load(LoadSpec(url=router.url, duration_s=duration_s, rate_per_s=rate,
+                                                    max_tokens=max_tokens, timeout_s=60)))
+                results[name] = summarize(LoadSpec(url=router.url, rate_per_s=rate), res)
+                results[name]["hedges"] = _metric(router.url, "phalanx_router_hedges_total") - hedges0
+            finally:
+                router.stop()
+            lat = results[name]["latency_s"]
+            print(f"  {name:20s} ok {results[name]['ok']:5d} err {results[name]['errors']:3d} p50 {lat['p50']:.3f} "
+                  f"p99 {lat['p99']:.3f} p99.9 {lat['p99.9']:.3f}", flush=True)
+    finally:
+        stop_replicas(reps)
+    return {"service_time_s": service_s, "cpu_time_s": cpu_s, "rate_per_s": rate, "warmup_s": warmup_s,
+            "results": results}
+
+
+def failover(token_file: Path, duration_s: float, max_tokens: int, kill_at_s: float = 5.0) -> dict[str, Any]:
+    reps = spawn_replicas(4, MODEL_ARGS + ["--batch-size-max", "8"], token_file)
+    router = spawn_router({r.replica_id: r.url for r in reps}, token_file)
+    try:
+        service_s = _service_time_s(reps[0].url, read_token_file(token_file), max_tokens, n=10)
+        rate = 0.5 * min(4, os.cpu_count() or 1) / service_s
+
+        async def run() -> Any:
+            load = asyncio.create_task(run_load(LoadSpec(url=router.url, duration_s=duration_s, rate_per_s=rate,
+                                                         max_tokens=max_tokens, stream=True, timeout_s=60)))
+            await asyncio.sleep(kill_at_s)
+            reps[1].proc.send_signal(signal.SIGKILL)
+            return await load
+
+        res = asyncio.run(run())
+    finally:
+        router.stop()
+        stop_replicas(reps)
+    before = [lat for lat, t in zip(res.latencies_s, res.starts_s) if 1.0 <= t < kill_at_s]
+    after = [lat for lat, t in zip(res.latencies_s, res.starts_s) if kill_at_s <= t < kill_at_s + 1.0]
+    out = {"rate_per_s": rate, "ok": res.ok, "failed": res.errors, "rejected_429": res.rejected_429,
+           "p99_before_s": quantile(before, 0.99), "p99_second_after_kill_s": quantile(after, 0.99),
+           "requests_in_second_after": len(after)}
+    print(f"[failover] {out}", flush=True)
+    return out
+
+
+def router_overhead(token_file: Path, duration_s: float, rate: float = 200.0) -> dict[str, Any]:
+    reps = spawn_replicas(1, MODEL_ARGS + ["--batch-size-max", "32"], token_file)
+    router = spawn_router({"r0": reps[0].url}, token_file)
+    token = read_token_file(token_file)
+    out: dict[str, Any] = {"rate_per_s": rate}
+    try:
+        for name, url, tok in (("direct", reps[0].url, token), ("router", router.url, None),
+                               ("direct again", reps[0].url, token)):
+            res = asyncio.run(run_load(LoadSpec(url=url, duration_s=duration_s, rate_per_s=rate, max_tokens=1,
+                                                token=tok, seed=7)))
+            out[name] = {"ok": res.ok, "errors": res.errors, "p50_s": quantile(res.latencies_s, 0.5),
+                         "p99_s": quantile(res.latencies_s, 0.99)}
+            print(f"[overhead] {name}: {out[name]}", flush=True)
+    finally:
+        router.stop()
+        stop_replicas(reps)
+    direct_p50 = min(out["direct"]["p50_s"], out["direct again"]["p50_s"])
+    direct_p99 = min(out["direct"]["p99_s"], out["direct again"]["p99_s"])
+    out["added_p50_ms"] = 1000 * (out["router"]["p50_s"] - direct_p50)
+    out["added_p99_ms"] = 1000 * (out["router"]["p99_s"] - direct_p99)
+    return out
+
+
+def batching(token_file: Path, duration_s: float, max_tokens: int = 48) -> dict[str, Any]:
+    reps = spawn_replicas(1, MODEL_ARGS + ["--batch-size-max", "32", "--queue-depth-max", "64"], token_file)
+    token = read_token_file(token_file)
+    out: dict[str, Any] = {"max_tokens": max_tokens}
+    try:
+        for streams in (1, 32):
+            res = asyncio.run(run_load(LoadSpec(url=reps[0].url, duration_s=duration_s, concurrency=streams,
+                                                max_tokens=max_tokens, token=token, timeout_s=120)))
+            out[f"{streams}_streams"] = {"ok": res.ok, "errors": res.errors,
+                                         "tokens_per_s": res.ok * max_tokens / res.wall_s}
+            print(f"[batching] {streams} streams: {out[f'{streams}_streams']}", flush=True)
+    finally:
+        stop_replicas(reps)
+    out["ratio"] = out["32_streams"]["tokens_per_s"] / out["1_streams"]["tokens_per_s"]
+    return out
+
+
+def report(all_: dict[str, Any]) -> str:
+    lines = []
+    if "slow_replica" in all_:
+        s = all_["slow_replica"]
+        base = s["results"]["healthy"]["latency_s"]["p99"]
+        lines += [f"Slow replica: 4 replicas x 1 request at a time, one 10x slow, Poisson {s['rate_per_s']:.1f} req/s "
+                  f"(70 % of capacity; one request {1000 * s['service_time_s']:.0f} ms; measured after "
+                  f"{s['warmup_s']:g} s of warm-up)", "",
+                  "| policy | ok | failed | p50 s | p99 s | p99.9 s | p99 / healthy | hedges (extra) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [_row(n, r, base) for n, r in s["results"].items()]
+    if "failover" in all_:
+        f = all_["failover"]
+        ratio = (f["p99_second_after_kill_s"] or 0) / (f["p99_before_s"] or 1)
+        lines += ["", f"Failover (SIGKILL 1 of 4 under {f['rate_per_s']:.1f} req/s, streamed): p99 before "
+                      f"{f['p99_before_s']:.3f} s, in the second after the kill {f['p99_second_after_kill_s']:.3f} s "
+                      f"({ratio:.2f}x), failed {f['failed']} of {f['ok'] + f['failed']}"]
+    if "router_overhead" in all_:
+        o = all_["router_overhead"]
+        lines += ["", f"Router overhead at {o['rate_per_s']:.0f} req/s: +{o['added_p50_ms']:.2f} ms p50, "
+                      f"+{o['added_p99_ms']:.2f} ms p99 (direct p50 {1000 * o['direct']['p50_s']:.2f} ms, "
+                      f"routed p50 {1000 * o['router']['p50_s']:.2f} ms)"]
+    if "batching" in all_:
+        b = all_["batching"]
+        lines += ["", f"Continuous batching: {b['1_streams']['tokens_per_s']:.0f} tokens/s with 1 stream, "
+                      f"{b['32_streams']['tokens_per_s']:.0f} with 32 ({b['ratio']:.1f}x)"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--duration-s", type=float, default=15.0)
+    ap.add_argument("--load", type=float, default=0.7)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--only", default="slow,failover,overhead,batching")
+    ap.add_argument("--out", default="runs/bench-serving.json")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    token_file = make_token_file()
+    all_: dict[str, Any] = {}
+    if "slow" in only:
+        all_["slow_replica"] = slow_replica(token_file, args.duration_s, args.load, args.max_tokens)
+    if "failover" in only:
+        all_["failover"] = failover(token_file, max(args.duration_s, 10.0), args.max_tokens)
+    if "overhead" in only:
+        all_["router_overhead"] = router_overhead(token_file, min(args.duration_s, 10.0))
+    if "batching" in only:
+        all_["batching"] = batching(token_file, min(args.duration_s, 10.0))
+    text = report(all_)
+    print("\n" + text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(all_, indent=2))
+    Path(args.out).with_suffix(".md").write_text(text + "\n")
+    return 0
 
 
 if __name__ == "__main__":

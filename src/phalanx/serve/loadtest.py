@@ -29,17 +29,21 @@ class LoadSpec:
     model: str = "phalanx-charlm"
     seed: int = 0
     timeout_s: float = 30.0
+    api_key: str | None = None  # sent as a bearer key (a router started with --api-key)
+    token: bytes | None = None  # sign requests with the cluster token (to load a replica directly)
 
 
 @dataclass
 class LoadResult:
     latencies_s: list[float] = field(default_factory=list)
+    starts_s: list[float] = field(default_factory=list)  # when each answered request was sent, from the run's start
     ttfts_s: list[float] = field(default_factory=list)
     ok: int = 0
     errors: int = 0
     rejected_429: int = 0
     error_samples: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    t0: float = 0.0
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -91,6 +95,7 @@ async def _one(client: httpx.AsyncClient, spec: LoadSpec, seed: int, res: LoadRe
         return
     res.ok += 1
     res.latencies_s.append(time.monotonic() - t0)
+    res.starts_s.append(t0 - res.t0)
     if ttft is not None:
         res.ttfts_s.append(ttft)
 
@@ -106,8 +111,12 @@ def _count_status(resp: httpx.Response, res: LoadResult) -> None:
 async def run_load(spec: LoadSpec, on_tick: Callable[[LoadResult, float], None] | None = None) -> LoadResult:
     res = LoadResult()
     rng = random.Random(spec.seed)
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=2048)) as client:
-        t0 = time.monotonic()
+    from phalanx.serve.request_auth import ClusterTokenAuth
+
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else None
+    auth = ClusterTokenAuth(spec.token) if spec.token is not None else None
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=2048), headers=headers, auth=auth) as client:
+        t0 = res.t0 = time.monotonic()
         end = t0 + spec.duration_s
         tasks: set[asyncio.Task[None]] = set()
         n = 0

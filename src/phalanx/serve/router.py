@@ -190,6 +190,7 @@ class Router:
     async def _attempt(self, r: ReplicaState, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         r.stats.outstanding += 1
         t0 = time.monotonic()
+        r.stats.inflight_since_s.append(t0)
         try:
             resp = await self.client.post(r.url + path, json=body, timeout=httpx.Timeout(
                 self.cfg.request_timeout_s, connect=0.5))
@@ -200,6 +201,7 @@ class Router:
             raise AttemptFailed(f"{r.stats.replica_id}: {type(e).__name__}: {e}", gone) from e
         finally:
             r.stats.outstanding -= 1
+            r.stats.inflight_since_s.remove(t0)
         if resp.status_code >= 500 or resp.status_code == 429 or not isinstance(payload, dict):
             self._failed(r, RuntimeError(str(resp.status_code)))
             draining = isinstance(payload, dict) and (payload.get("error") or {}).get("code") == "draining"
@@ -301,12 +303,14 @@ class Router:
         tried = {first[0].stats.replica_id}
         finished = False
         base = 0  # characters streamed before the current replica took over
+        opened_s = t0  # when the current replica's attempt was opened
         try:
             for attempt in range(self.cfg.attempts_max + 2):
                 if current is None:
                     try:
                         resumed = dict(body, phalanx_resume_text=text)
                         base = len(text)
+                        opened_s = time.monotonic()
                         current = await self.open_stream(path, resumed, frozenset(tried))
                     except AttemptFailed:
                         await asyncio.sleep(backoff_s(attempt, self.rng) + 0.05)
@@ -315,6 +319,7 @@ class Router:
                     tried.add(current[0].stats.replica_id)
                     self.metrics.resumptions.inc()
                 r, resp = current
+                measured = False
                 try:
                     if resp.status_code != 200:
                         raise AttemptFailed(f"HTTP {resp.status_code}")
@@ -322,6 +327,9 @@ class Router:
                         if chunk is None:
                             finished = True
                             break
+                        if not measured:  # a stream teaches the replica's EWMA its time to first token
+                            r.stats.observe(time.monotonic() - opened_s, self.cfg.policy.ewma_alpha)
+                            measured = True
                         out = self._rewrite(chunk, rid, created, sent_any, base)
                         for c in chunk.get("choices") or []:
                             text += c.get("text") or (c.get("delta") or {}).get("content") or ""

@@ -45,6 +45,7 @@ class ReplicaStats:
     samples: int = 0
     consecutive_failures: int = 0
     ejected_until_s: float = 0.0
+    inflight_since_s: list[float] = field(default_factory=list)  # start times of unary attempts in flight
 
     def observe(self, latency_s: float, alpha: float) -> None:
         self.ewma_latency_s = latency_s if self.samples == 0 else (1 - alpha) * self.ewma_latency_s + alpha * latency_s
@@ -57,8 +58,14 @@ def eligible(now: float, replicas: list[ReplicaStats], exclude: frozenset[str] =
                   key=lambda r: r.replica_id)
 
 
-def _cost(r: ReplicaStats, typical_s: float) -> float:
-    return (r.outstanding + 1) * (r.ewma_latency_s if r.samples else typical_s)
+def _cost(r: ReplicaStats, typical_s: float, now: float) -> float:
+    """(outstanding + 1) x expected latency, where a request already in flight longer than the EWMA
+    raises the estimate at once (as Finagle's peak EWMA does): a replica that turned slow, or that was
+    never measured, stops attracting requests before its first slow answer comes back."""
+    expected_s = r.ewma_latency_s if r.samples else typical_s
+    if r.inflight_since_s:
+        expected_s = max(expected_s, now - min(r.inflight_since_s))
+    return (r.outstanding + 1) * expected_s
 
 
 def choose_replica(now: float, replicas: list[ReplicaStats], cfg: PolicyConfig, rng: random.Random, rr_index: int,
@@ -77,7 +84,7 @@ def choose_replica(now: float, replicas: list[ReplicaStats], cfg: PolicyConfig, 
         return pick, f"p2c-queue {a.replica_id}={a.outstanding} vs {b.replica_id}={b.outstanding}"
     known = [r.ewma_latency_s for r in cands if r.samples]
     typical = sorted(known)[len(known) // 2] if known else 0.0  # an unmeasured replica costs the median
-    ca, cb = _cost(a, typical), _cost(b, typical)
+    ca, cb = _cost(a, typical, now), _cost(b, typical, now)
     pick = a if (ca, a.outstanding) <= (cb, b.outstanding) else b
     return pick, f"p2c-latency {a.replica_id}={ca:.4f} vs {b.replica_id}={cb:.4f}"
 

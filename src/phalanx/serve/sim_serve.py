@@ -143,6 +143,7 @@ class ServeSim:
     async def _attempt(self, r: SimReplica) -> None:
         r.stats.outstanding += 1
         t0 = self.now()
+        r.stats.inflight_since_s.append(t0)
         try:
             await self._call(r)
         except ReplicaGone:
@@ -152,6 +153,7 @@ class ServeSim:
             raise
         finally:
             r.stats.outstanding -= 1
+            r.stats.inflight_since_s.remove(t0)
         r.stats.observe(self.now() - t0, self.pcfg.ewma_alpha)
 
     def _choose(self, tried: set[str]) -> SimReplica | None:
