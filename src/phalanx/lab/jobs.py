@@ -67,8 +67,10 @@ class JobRun:
         """When the run ended on its own clock (a hung simulated run: at its deadline)."""
         if self.simulated:
             return float(self.summary.get("virtual_s", 0.0))
-        times = [float(e["t"]) for e in self.events if "t" in e]  # the coordinator's clock
-        return max(times) if times else None
+        # the coordinator's clock starts with the launch; a hung job emits nothing until the launcher
+        # stops it, so its wall time is the better end (they differ by the coordinator's start-up)
+        times = [float(e["t"]) for e in self.events if "t" in e]
+        return max([self.wall_s, *times])
 
     def longest_stall_s(self) -> float:
         """The longest time without a commit, counting the time from the last commit to the end."""
