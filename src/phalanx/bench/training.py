@@ -5,8 +5,9 @@ one run with alternating repeats, on the bundled model and MLPs of ~6 M and ~25 
     python -m phalanx.bench training [--workloads charlm,mlp-6m,mlp-25m] [--workers 2,4]
                                      [--repeats 3] [--out runs/bench/training.json]
 
-Both sides run the same model, batches and optimizer, one thread per process, and time a step the
-same way: loop top to loop top on the first worker (rank 0), median after a warm-up. Each repeat
+Both sides run the same model, batches and optimizer, one thread per process. A step's time is the
+cluster's: DDP's rank-0 loop (loop top to loop top; DDP's ranks move in lockstep) and phalanx's
+commit-to-commit interval, median after a warm-up. Each repeat
 runs the three systems back to back in a rotating order, so the machine's noise hits all of them;
 a ratio is phalanx / DDP within one repeat, and every pair is reported.
 """
@@ -69,22 +70,27 @@ def run_phalanx(workers: int, steps: int, run_dir: Path, plan_text: str = "", wo
     return res
 
 
-def _phalanx_step_s(workers: int, steps: int, run_dir: Path, workload: str, mode: str) -> list[float]:
-    run_phalanx(workers, steps, run_dir, workload=workload, mode=mode)
-    return json.loads((run_dir / "workers" / "w0.steps.json").read_text())["step_s"]
+def _phalanx_step_s(workers: int, steps: int, run_dir: Path, workload: str, mode: str) -> tuple[list[float], int]:
+    """The cluster's step times (commit to commit, the coordinator's record: what DDP's rank-0 loop
+    time is for DDP; a worker's own loop can skip steps in available mode when it falls behind and
+    heals), and the steps retried."""
+    res = run_phalanx(workers, steps, run_dir, workload=workload, mode=mode)
+    return [c.step_s for c in res.commits], res.steps_retried
 
 
 def _spread(xs: list[float]) -> str:
     return f"{min(xs):.2f}–{max(xs):.2f}" if len(xs) > 1 else f"{xs[0]:.2f}"
 
 
-def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: Console, tmp: Path) -> list[dict[str, Any]]:
+def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: Console, tmp: Path,
+            on_row: Any = None) -> list[dict[str, Any]]:
     rows = []
     total = len(workloads) * len(worker_counts) * repeats * len(SYSTEMS)
     done = 0
     for name in workloads:
         for n in worker_counts:
             med: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+            retries: dict[str, list[int]] = {s: [] for s in SYSTEMS[1:]}
             for r in range(repeats):
                 order = SYSTEMS[r % 3:] + SYSTEMS[: r % 3]  # rotate who goes first
                 for system in order:
@@ -94,14 +100,17 @@ def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: C
                     if system == "ddp":
                         step_s = run_ddp(n, steps, name)
                     else:
-                        step_s = _phalanx_step_s(n, steps, tmp / f"{name}-{n}-{system}-{r}", name, system)
+                        step_s, retried = _phalanx_step_s(n, steps, tmp / f"{name}-{n}-{system}-{r}", name, system)
+                        retries[system].append(retried)
                     med[system].append(statistics.median(step_s[WARMUP_STEPS:]))
-            row: dict[str, Any] = {"workload": name, "workers": n, "median_step_s": med}
+            row: dict[str, Any] = {"workload": name, "workers": n, "median_step_s": med, "steps_retried": retries}
             for system in SYSTEMS[1:]:
                 ratios = [p / d for p, d in zip(med[system], med["ddp"])]
                 row[f"{system}_ratios"] = ratios
                 row[f"{system}_ratio_median"] = statistics.median(ratios)
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -122,7 +131,11 @@ def main() -> int:
         ap.error(f"unknown workload(s) {', '.join(bad)}: choose from {', '.join(WORKLOADS)}")
     counts = [int(x) for x in args.workers.split(",") if x]
     with tempfile.TemporaryDirectory() as tmp:
-        rows = compare(workloads, counts, args.repeats, con, Path(tmp))
+        def save(rows: list[dict[str, Any]]) -> None:  # after every row: a long run loses nothing
+            out.write_text(json.dumps({"command": "python -m phalanx.bench training " + " ".join(sys.argv[1:]),
+                                       "partial": True, "rows": rows}, indent=2))
+
+        rows = compare(workloads, counts, args.repeats, con, Path(tmp), save)
         faults = {}
         if not args.no_faults:
             for kind, text in FAULTS.items():
