@@ -19,7 +19,6 @@ no-op, and when the loop body ends the engine runs the same step number again on
 from __future__ import annotations
 
 import asyncio
-import json
 import queue
 import time
 from collections.abc import Iterator
@@ -32,10 +31,11 @@ import torch
 from phalanx.core.errors import ConfigError, FinalStateUnavailable
 from phalanx.train import sharding
 from phalanx.train.faults_in_process import InProcessFaults
-from phalanx.train.grad_buckets import DEFAULT_BUCKET_BYTES, GradientBuckets
-from phalanx.train.step_buffer import MergeLayout, TailLayout, expected_coverage
+from phalanx.train.grad_buckets import DEFAULT_BUCKET_BYTES, GradientBuckets, copy_back, coverage_tail, start_gradients
+from phalanx.train.step_buffer import expected_coverage
 from phalanx.train.step_engine import BodyResult, LoopExited, StepEngine, Ticket
-from phalanx.train.worker_agent import Assignment, HealedState, WorkerAgent
+from phalanx.train.torch_state import SpanLog, TorchState
+from phalanx.train.worker_agent import WorkerAgent
 
 
 class Step:
@@ -130,69 +130,6 @@ class _ThreadBody:
         self._results.put_nowait(item)
 
 
-class _TorchState:
-    """The TrainingState seam on torch: the tracked model and optimizer. Runs while the user's
-    thread is idle (blocked between bodies), in a worker thread so heartbeats keep flowing."""
-
-    def __init__(self, job: "Job") -> None:
-        self._job = job
-
-    async def restore_checkpoint(self, path: str) -> int:
-        from phalanx.checkpoint.durable import read_checkpoint
-        from phalanx.checkpoint.state_codec import restore_training_state
-
-        def load() -> int:
-            ck_step, state, _meta = read_checkpoint(path)
-            restore_training_state(self._job.model, self._job.optimizer, state)
-            return ck_step
-
-        return await asyncio.to_thread(load)
-
-    async def load_healed(self, healed: HealedState) -> None:
-        from phalanx.checkpoint.state_codec import decode_training_state, restore_training_state
-
-        def load() -> None:
-            state = decode_training_state(healed.header, healed.buffers)
-            restore_training_state(self._job.model, self._job.optimizer, state)
-
-        await asyncio.to_thread(load)
-
-    async def write_checkpoint(self, step: int, a: Assignment) -> str:
-        from phalanx.checkpoint.durable import write_checkpoint
-        from phalanx.checkpoint.state_codec import capture_training_state
-
-        def write() -> str:
-            state = capture_training_state(self._job.model, self._job.optimizer, {"step": step})
-            return str(write_checkpoint(self._job.run_dir, step, state,
-                                        {"quorum_id": a.quorum_id, "members": list(a.members)}))
-
-        return await asyncio.to_thread(write)
-
-    async def merge_buffer(self, weight: float, loss: float) -> tuple[Any, np.ndarray]:
-        assert self._job.model is not None
-        params = list(self._job.model.parameters())
-        flat = torch.empty(MergeLayout(sum(p.numel() for p in params)).size, dtype=torch.float32)
-        pos = 0
-        with torch.no_grad():
-            for p in params:
-                n = p.numel()
-                flat[pos : pos + n].copy_(p.detach().reshape(-1)).mul_(weight)
-                pos += n
-        view = flat.numpy()
-        MergeLayout.fill_tail(view, weight, loss)
-        return flat, view
-
-    async def apply_merge(self, buffer: Any) -> None:
-        assert self._job.model is not None
-        total_w = MergeLayout.total_weight(buffer.numpy())
-        pos = 0
-        with torch.no_grad():
-            for p in self._job.model.parameters():
-                n = p.numel()
-                p.copy_((buffer[pos : pos + n] / total_w).view_as(p).to(p.dtype))
-                pos += n
-
-
 class Job:
     """The user's handle: ``job.track(...)``, ``for step in job.steps(n)``, ``job.save_final()``.
 
@@ -210,9 +147,9 @@ class Job:
         self._buckets: GradientBuckets | None = None
         self._next: Ticket | None = None  # handed over with the last vote (the fast path)
         self.faults = InProcessFaults(self)
-        self._spans = _SpanLog(run_dir / "workers" / f"{worker_id}.jsonl", worker_id)
+        self._spans = SpanLog(run_dir / "workers" / f"{worker_id}.jsonl", worker_id)
         self._body = _ThreadBody(loop)
-        self.engine = StepEngine(agent, self._body, _TorchState(self), self._spans)
+        self.engine = StepEngine(agent, self._body, TorchState(self), self._spans)
 
     # ---- properties users read ----
     counters = property(lambda self: self.engine.counters)
@@ -327,35 +264,10 @@ class Job:
         offset, count, idx, gbs = (sh[0], sh[1], sh[2], sh[3]) if sh else (0, 0, np.zeros(0, np.int64), 0)
         share = count / gbs if gbs else 0.0
         buckets = self._buckets if model is self.model else None
-        error = ""
-        flat: torch.Tensor | None = None
-        if buckets is not None:
-            if not buckets.armed:  # no shard before backward: start them all now
-                buckets.arm(ex, share)
-            error = buckets.finish()
-            params = buckets.params
-        else:  # overlap off, or not the tracked model: one flat buffer, copied back on commit
-            params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
-            flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
-            pos = 0
-            for p in params:
-                if p.grad is not None:
-                    torch.mul(p.grad.reshape(-1), share, out=flat[pos : pos + p.numel()])
-                pos += p.numel()
-            ex.launch(flat, 1.0)
-        layout = TailLayout(gbs)
-        device = buckets.device if buckets is not None else torch.device("cpu")
-        tail = torch.empty(layout.size, dtype=torch.float32, device=device)
-        host_tail = tail if tail.device.type == "cpu" else torch.empty(layout.size, dtype=torch.float32)
-        layout.fill(host_tail.numpy(), offset, idx if not error else np.zeros(0, np.int64), loss_value, share)
-        if host_tail is not tail:
-            tail.copy_(host_tail)
-        expected = expected_coverage(st.number, sh[4], gbs, self.data_seed) if sh is not None else None
-
-        def verify() -> tuple[bool, float]:
-            reduced = tail.cpu().numpy() if tail.device.type != "cpu" else tail.numpy()
-            return layout.verify(reduced, expected)
-
+        params, flat, error = start_gradients(model, buckets, ex, share)
+        tail, verify = coverage_tail(gbs, offset, idx if not error else np.zeros(0, np.int64), loss_value, share,
+                                     buckets.device if buckets is not None else torch.device("cpu"),
+                                     expected_coverage(st.number, sh[4], gbs, self.data_seed) if sh else None)
         self._spans.span("compute", st.started_s, step=st.number, quorum_id=st.quorum_id, samples=count)
         t0 = time.monotonic()
         ex.launch(tail, 0.0)  # from this thread too: the tail need not wait for the hand-over
@@ -373,11 +285,7 @@ class Job:
             self._spans.span("allreduce", t0, step=st.number, quorum_id=st.quorum_id, commit=False, reason=st.failed)
             return False
         if flat is not None:
-            pos = 0
-            for p in params:
-                reduced = flat[pos : pos + p.numel()].view_as(p).to(p.dtype)
-                p.grad = reduced if p.grad is None else p.grad.copy_(reduced)
-                pos += p.numel()
+            copy_back(params, flat)
         st.committed, st.loss = True, vote.loss
         self._next = vote.next  # the next step, granted and ready: no wait for the engine
         self._spans.span("allreduce", t0, step=st.number, quorum_id=st.quorum_id, commit=True)
@@ -409,28 +317,3 @@ class Job:
 
     def close(self) -> None:
         self._spans.close()
-
-
-class _SpanLog:
-    """Per-worker spans and events (JSON lines, monotonic clock shared by all local processes)."""
-
-    def __init__(self, path: Path, worker_id: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(path, "a", buffering=1)
-        self._wid = worker_id
-
-    def span(self, span: str, start_s: float, **fields: Any) -> None:
-        now = time.monotonic()
-        self._write({"mono": round(start_s, 6), "dur": round(now - start_s, 6), "node": self._wid, "span": span, **fields})
-
-    def event(self, event: str, **fields: Any) -> None:
-        self._write({"mono": round(time.monotonic(), 6), "node": self._wid, "event": event, **fields})
-
-    def _write(self, record: dict[str, Any]) -> None:
-        try:
-            self._f.write(json.dumps(record) + "\n")
-        except ValueError:
-            pass  # closed at exit
-
-    def close(self) -> None:
-        self._f.close()

@@ -19,12 +19,15 @@ refused with a clear error (``job.track(..., overlap=False)`` for gradient accum
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from phalanx.core.errors import ConfigError
+from phalanx.train.step_buffer import TailLayout
 
 DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
 
@@ -167,3 +170,49 @@ class GradientBuckets:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+# ---- one step's tensors, whichever way the gradients travel ----
+def start_gradients(model: torch.nn.Module | None, buckets: GradientBuckets | None, ex: Any,
+                    share: float) -> tuple[list[torch.nn.Parameter], torch.Tensor | None, str]:
+    """Start what is left of the step's gradients on ``ex``: the tracked model's buckets not yet
+    started, or (overlap off, or another model) one flat buffer, copied back on commit.
+    Returns (parameters, the flat buffer or None, an error that makes the step unusable or "")."""
+    if buckets is not None:
+        if not buckets.armed:  # no shard before backward: start them all now
+            buckets.arm(ex, share)
+        error = buckets.finish()
+        return buckets.params, None, error
+    params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+    pos = 0
+    for p in params:
+        if p.grad is not None:
+            torch.mul(p.grad.reshape(-1), share, out=flat[pos : pos + p.numel()])
+        pos += p.numel()
+    ex.launch(flat, 1.0)
+    return params, flat, ""
+
+
+def copy_back(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    pos = 0
+    for p in params:
+        reduced = flat[pos : pos + p.numel()].view_as(p).to(p.dtype)
+        p.grad = reduced if p.grad is None else p.grad.copy_(reduced)
+        pos += p.numel()
+
+
+def coverage_tail(gbs: int, offset: int, idx: np.ndarray, loss: float, share: float, device: torch.device,
+                  expected: np.ndarray | None) -> tuple[torch.Tensor, Callable[[], tuple[bool, float]]]:
+    """The tail ``[coverage | loss * share]`` on the gradients' device, and its check after the sum."""
+    layout = TailLayout(gbs)
+    tail = torch.empty(layout.size, dtype=torch.float32, device=device)
+    host = tail if tail.device.type == "cpu" else torch.empty(layout.size, dtype=torch.float32)
+    layout.fill(host.numpy(), offset, idx, loss, share)
+    if host is not tail:
+        tail.copy_(host)
+
+    def verify() -> tuple[bool, float]:
+        return layout.verify(tail.cpu().numpy() if tail.device.type != "cpu" else tail.numpy(), expected)
+
+    return tail, verify

@@ -1,0 +1,104 @@
+"""The torch side of a real worker's seams: the TrainingState (the tracked model and optimizer)
+and the StepObserver (the worker's JSONL span log)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from phalanx.train.step_buffer import MergeLayout
+from phalanx.train.worker_agent import Assignment, HealedState
+
+
+class TorchState:
+    """The TrainingState seam on torch: the tracked model and optimizer. Runs while the user's
+    thread is idle (blocked between bodies), in a worker thread so heartbeats keep flowing."""
+
+    def __init__(self, job: Any) -> None:
+        self._job = job
+
+    async def restore_checkpoint(self, path: str) -> int:
+        from phalanx.checkpoint.durable import read_checkpoint
+        from phalanx.checkpoint.state_codec import restore_training_state
+
+        def load() -> int:
+            ck_step, state, _meta = read_checkpoint(path)
+            restore_training_state(self._job.model, self._job.optimizer, state)
+            return ck_step
+
+        return await asyncio.to_thread(load)
+
+    async def load_healed(self, healed: HealedState) -> None:
+        from phalanx.checkpoint.state_codec import decode_training_state, restore_training_state
+
+        def load() -> None:
+            state = decode_training_state(healed.header, healed.buffers)
+            restore_training_state(self._job.model, self._job.optimizer, state)
+
+        await asyncio.to_thread(load)
+
+    async def write_checkpoint(self, step: int, a: Assignment) -> str:
+        from phalanx.checkpoint.durable import write_checkpoint
+        from phalanx.checkpoint.state_codec import capture_training_state
+
+        def write() -> str:
+            state = capture_training_state(self._job.model, self._job.optimizer, {"step": step})
+            return str(write_checkpoint(self._job.run_dir, step, state,
+                                        {"quorum_id": a.quorum_id, "members": list(a.members)}))
+
+        return await asyncio.to_thread(write)
+
+    async def merge_buffer(self, weight: float, loss: float) -> tuple[Any, np.ndarray]:
+        assert self._job.model is not None
+        params = list(self._job.model.parameters())
+        flat = torch.empty(MergeLayout(sum(p.numel() for p in params)).size, dtype=torch.float32)
+        pos = 0
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                flat[pos : pos + n].copy_(p.detach().reshape(-1)).mul_(weight)
+                pos += n
+        view = flat.numpy()
+        MergeLayout.fill_tail(view, weight, loss)
+        return flat, view
+
+    async def apply_merge(self, buffer: Any) -> None:
+        assert self._job.model is not None
+        total_w = MergeLayout.total_weight(buffer.numpy())
+        pos = 0
+        with torch.no_grad():
+            for p in self._job.model.parameters():
+                n = p.numel()
+                p.copy_((buffer[pos : pos + n] / total_w).view_as(p).to(p.dtype))
+                pos += n
+
+
+class SpanLog:
+    """Per-worker spans and events (JSON lines, monotonic clock shared by all local processes)."""
+
+    def __init__(self, path: Path, worker_id: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a", buffering=1)
+        self._wid = worker_id
+
+    def span(self, span: str, start_s: float, **fields: Any) -> None:
+        now = time.monotonic()
+        self._write({"mono": round(start_s, 6), "dur": round(now - start_s, 6), "node": self._wid, "span": span, **fields})
+
+    def event(self, event: str, **fields: Any) -> None:
+        self._write({"mono": round(time.monotonic(), 6), "node": self._wid, "event": event, **fields})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        try:
+            self._f.write(json.dumps(record) + "\n")
+        except ValueError:
+            pass  # closed at exit
+
+    def close(self) -> None:
+        self._f.close()
