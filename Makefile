@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast sweep bench fuzz soak clean
+.PHONY: demo test test-slow test-all test-fast sweep bench fuzz soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,11 +15,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/phalanx train
 
+# `make test`: every case but the long ones (marked slow), in under 15 minutes on 2 cores;
+# `make test-slow`: the long ones (CI runs both: every fault path runs in CI); `make test-all`: both.
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
-
-test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -ra -m slow
+
+test-all: test test-slow
+
+test-fast: test
 
 fuzz: $(STAMP)
 	PHALANX_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-20000} $(PY) -m pytest -q -ra tests/fuzz
