@@ -43,3 +43,17 @@ def test_kill_freeze_hang_and_partition_cost_no_request_and_are_detected_within_
         assert out[f"r{f.replica:03d}"] - f.at_s <= 1.0, (f.kind, out)
     back = {m["replica"] for m in res["membership"] if m["healthy"]}
     assert {"r002", "r004", "r005"} <= back and "r001" not in back  # the thawed, unhung and healed return
+
+
+def test_the_cli_compares_the_policies_and_writes_results(tmp_path):
+    from phalanx.cli.main import main
+
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[[fault]]\nkind = "kill"\nworker = 1\nat_s = 1\n')
+    assert main(["sim", "serve", "--replicas", "4", "--duration-s", "3", "--fault-plan", str(plan), "--seed", "1",
+                 "--out", str(tmp_path / "out")]) == 0
+    import json
+
+    res = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
+    assert set(res) == {"healthy", "round-robin", "p2c-queue", "p2c-latency", "p2c-latency+hedge"}
+    assert all(r["failed"] == 0 and r["ok"] == r["requests"] for r in res.values())

@@ -71,7 +71,7 @@ def _base_slowdown(token_file: Path, max_tokens: int, target_s: float) -> tuple[
 
 
 def slow_replica(token_file: Path, duration_s: float, load: float, max_tokens: int, warmup_s: float = 3.0,
-                 target_service_s: float = 0.25) -> dict[str, Any]:
+                 target_service_s: float = 0.5) -> dict[str, Any]:
     token = read_token_file(token_file)
     base, cpu_s = _base_slowdown(token_file, max_tokens, target_service_s)
     reps = spawn_replicas(5, MODEL_ARGS + ["--batch-size-max", "1", "--queue-depth-max", "10000"], token_file,
@@ -132,6 +132,11 @@ def failover(token_file: Path, duration_s: float, max_tokens: int, kill_at_s: fl
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def router_overhead(token_file: Path, duration_s: float, rate: float = 200.0) -> dict[str, Any]:
     reps = spawn_replicas(1, MODEL_ARGS + ["--batch-size-max", "32"], token_file)
     router = spawn_router({"r0": reps[0].url}, token_file)
@@ -140,10 +145,13 @@ def router_overhead(token_file: Path, duration_s: float, rate: float = 200.0) ->
     try:
         for name, url, tok in (("direct", reps[0].url, token), ("router", router.url, None),
                                ("direct again", reps[0].url, token)):
+            cpu0 = _cpu_s(router.proc.pid)
             res = asyncio.run(run_load(LoadSpec(url=url, duration_s=duration_s, rate_per_s=rate, max_tokens=1,
                                                 token=tok, seed=7)))
             out[name] = {"ok": res.ok, "errors": res.errors, "p50_s": quantile(res.latencies_s, 0.5),
                          "p99_s": quantile(res.latencies_s, 0.99)}
+            if name == "router":
+                out["router_cpu_ms_per_request"] = 1000 * (_cpu_s(router.proc.pid) - cpu0) / max(res.ok, 1)
             print(f"[overhead] {name}: {out[name]}", flush=True)
     finally:
         router.stop()
@@ -193,7 +201,8 @@ def report(all_: dict[str, Any]) -> str:
         o = all_["router_overhead"]
         lines += ["", f"Router overhead at {o['rate_per_s']:.0f} req/s: +{o['added_p50_ms']:.2f} ms p50, "
                       f"+{o['added_p99_ms']:.2f} ms p99 (direct p50 {1000 * o['direct']['p50_s']:.2f} ms, "
-                      f"routed p50 {1000 * o['router']['p50_s']:.2f} ms)"]
+                      f"routed p50 {1000 * o['router']['p50_s']:.2f} ms); the router spends "
+                      f"{o['router_cpu_ms_per_request']:.2f} ms of CPU per request"]
     if "batching" in all_:
         b = all_["batching"]
         lines += ["", f"Continuous batching: {b['1_streams']['tokens_per_s']:.0f} tokens/s with 1 stream, "
@@ -207,6 +216,7 @@ def main() -> int:
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--only", default="slow,failover,overhead,batching")
+    ap.add_argument("--overhead-rate", type=float, default=200.0, help="req/s for the router-overhead case")
     ap.add_argument("--out", default="runs/bench-serving.json")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -217,10 +227,10 @@ def main() -> int:
     if "failover" in only:
         all_["failover"] = failover(token_file, max(args.duration_s, 10.0), args.max_tokens)
     if "overhead" in only:
-        all_["router_overhead"] = router_overhead(token_file, min(args.duration_s, 10.0))
+        all_["router_overhead"] = router_overhead(token_file, min(args.duration_s, 10.0), args.overhead_rate)
     if "batching" in only:
         all_["batching"] = batching(token_file, min(args.duration_s, 10.0))
-    text = report(all_)
+    text = report(all_) + f"\n\n(load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
     print("\n" + text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(all_, indent=2))

@@ -46,7 +46,7 @@ def _loadtest(args: argparse.Namespace) -> int:
 
     spec = LoadSpec(url=args.url.rstrip("/").removesuffix("/v1"), duration_s=args.duration, rate_per_s=args.rate,
                     concurrency=args.concurrency if args.rate is None else None, stream=args.stream,
-                    max_tokens=args.max_tokens)
+                    max_tokens=args.max_tokens, api_key=args.api_key or None)
     with Progress() as progress:
         task = progress.add_task("load", total=spec.duration_s)
 
@@ -92,6 +92,7 @@ def register(sub: Any) -> None:
     lt.add_argument("--stream", action="store_true")
     lt.add_argument("--max-tokens", type=int, default=16)
     lt.add_argument("--out", default=None, help="write JSON results here")
+    lt.add_argument("--api-key", default=os.environ.get("PHALANX_API_KEY"), help="bearer key (default: $PHALANX_API_KEY)")
     lt.set_defaults(fn=_loadtest)
 
 

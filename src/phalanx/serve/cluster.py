@@ -58,13 +58,14 @@ def _env(token_file: Path) -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PHALANX_TOKEN_FILE=str(token_file))
 
 
-def spawn_replica(replica_id: str, args: list[str], token_file: Path, ready_timeout_s: float = 120.0,
-                  port: int = 0) -> ReplicaProcess:
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx.serve.replica_main", "--port", str(port), *args],
-                            stdout=subprocess.PIPE, text=True, env=_env(token_file))
+def _start_replica(args: list[str], token_file: Path, port: int = 0) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "phalanx.serve.replica_main", "--port", str(port),
+                             "--exit-with-parent", *args], stdout=subprocess.PIPE, text=True, env=_env(token_file))
+
+
+def _wait_ready(replica_id: str, proc: subprocess.Popen[str], args: list[str], deadline_s: float) -> ReplicaProcess:
     assert proc.stdout is not None
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:  # bounded by the deadline and by EOF when the child exits
+    while time.monotonic() < deadline_s:  # bounded by the deadline and by EOF when the child exits
         line = proc.stdout.readline()
         if line.startswith(READY_LINE):
             return ReplicaProcess(replica_id, proc, int(line.split()[1]), args)
@@ -75,13 +76,25 @@ def spawn_replica(replica_id: str, args: list[str], token_file: Path, ready_time
     raise ReplicaStartFailed(f"replica {replica_id} did not start (exit code {proc.poll()}); see its output above")
 
 
-def spawn_replicas(n: int, args: list[str], token_file: Path,
-                   per_replica: dict[int, list[str]] | None = None) -> list[ReplicaProcess]:
+def spawn_replica(replica_id: str, args: list[str], token_file: Path, ready_timeout_s: float = 120.0,
+                  port: int = 0) -> ReplicaProcess:
+    return _wait_ready(replica_id, _start_replica(args, token_file, port), args, time.monotonic() + ready_timeout_s)
+
+
+def spawn_replicas(n: int, args: list[str], token_file: Path, per_replica: dict[int, list[str]] | None = None,
+                   ready_timeout_s: float = 120.0) -> list[ReplicaProcess]:
+    """Start all N at once (they load the model in parallel), then wait for each to be ready."""
+    full = [args + (per_replica or {}).get(i, []) for i in range(n)]
+    procs = [_start_replica(a, token_file) for a in full]
     out: list[ReplicaProcess] = []
+    deadline_s = time.monotonic() + ready_timeout_s
     try:
-        for i in range(n):
-            out.append(spawn_replica(f"r{i}", args + (per_replica or {}).get(i, []), token_file))
+        for i, (proc, a) in enumerate(zip(procs, full)):
+            out.append(_wait_ready(f"r{i}", proc, a, deadline_s))
     except BaseException:
+        for proc in procs[len(out):]:
+            proc.kill()
+            proc.wait(10)
         stop_replicas(out)
         raise
     return out
@@ -124,7 +137,7 @@ class RouterProcess:
 
 def spawn_router(replicas: dict[str, str], token_file: Path, policy: str = "p2c-latency", hedging: bool = False,
                  extra: list[str] | None = None, ready_timeout_s: float = 60.0) -> RouterProcess:
-    cmd = [sys.executable, "-m", "phalanx.serve.router_main", "--port", "0", "--policy", policy,
+    cmd = [sys.executable, "-m", "phalanx.serve.router_main", "--port", "0", "--exit-with-parent", "--policy", policy,
            *[f"--replica={k}={v}" for k, v in sorted(replicas.items())], *(["--hedging"] if hedging else []),
            *(extra or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_env(token_file))

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cluster token the router signs requests with (default: $PHALANX_TOKEN_FILE)")
     ap.add_argument("--drain-timeout-s", type=float, default=30.0)
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    ap.add_argument("--exit-with-parent", action="store_true", help="exit when the process that started it dies")
     return ap
 
 
@@ -97,7 +98,16 @@ async def serve(args: argparse.Namespace) -> None:
         await asyncio.sleep(0.01)
     if server.started:
         print(f"{READY_LINE} {sock.getsockname()[1]} {served.version}", flush=True)
+    if args.exit_with_parent:
+        asyncio.create_task(_exit_with_parent(server, os.getppid()))
     await task
+
+
+async def _exit_with_parent(server: uvicorn.Server, parent_pid: int) -> None:
+    """A replica started by `phalanx serve`, a benchmark or a test does not outlive it (no leaked process)."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(0.5)
+    server.should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:

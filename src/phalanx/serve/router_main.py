@@ -15,6 +15,7 @@ import uvicorn
 from phalanx.core.auth import read_token_file
 from phalanx.core.errors import ConfigError, PhalanxError
 from phalanx.serve.cluster import ROUTER_READY_LINE, bind_loopback, router_config
+from phalanx.serve.replica_main import _exit_with_parent
 from phalanx.serve.router import Router
 from phalanx.serve.router_app import build_router_app
 
@@ -41,6 +42,8 @@ async def _serve(args: argparse.Namespace) -> None:
             break
         await asyncio.sleep(0.1)
     print(f"{READY_LINE} {sock.getsockname()[1]}", flush=True)
+    if args.exit_with_parent:
+        asyncio.create_task(_exit_with_parent(server, os.getppid()))
     await task
 
 
@@ -54,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-file", default=os.environ.get("PHALANX_TOKEN_FILE"))
     ap.add_argument("--api-key", default=os.environ.get("PHALANX_API_KEY"),
                     help="clients must send this bearer key (default: $PHALANX_API_KEY; none: open)")
+    ap.add_argument("--exit-with-parent", action="store_true", help="exit when the process that started it dies")
     ap.add_argument("--active-requests-max", type=int, default=256, help="past this, 429 with Retry-After")
     args = ap.parse_args(argv)
     try:
