@@ -82,11 +82,14 @@ def run_demo(run_dir: Path, checkpoint: str | None = None, duration_s: float = 2
     return 0 if all(s["errors"] == 0 for s in summary.values()) else 1
 
 
+def fmt(v: float | None) -> str:
+    return f"{v:.3f}" if v is not None else "-"
+
+
 def _table(summary: dict[str, dict[str, Any]]) -> list[str]:
     rows = [f"{'policy':20s} {'ok':>5s} {'failed':>6s} {'p50 s':>7s} {'p99 s':>7s} {'p99.9 s':>8s} {'TTFT p99':>9s}"]
     for name, s in summary.items():
         lat, ttft = s["latency_s"], s["ttft_s"]
-        fmt = (lambda v: f"{v:.3f}" if v is not None else "-")
         rows.append(f"{name:20s} {s['ok']:5d} {s['errors']:6d} {fmt(lat['p50']):>7s} {fmt(lat['p99']):>7s} "
                     f"{fmt(lat['p99.9']):>8s} {fmt(ttft['p99']):>9s}")
     return rows
@@ -117,7 +120,6 @@ def _latency_png(results: dict[str, LoadResult], applied: list[dict[str, Any]]) 
 def _html(summary: dict[str, dict[str, Any]], results: dict[str, LoadResult], applied: list[dict[str, Any]],
           what: str) -> str:
     head = "<tr><th>policy</th><th>ok</th><th>failed</th><th>p50 s</th><th>p99 s</th><th>p99.9 s</th><th>TTFT p99 s</th></tr>"
-    fmt = (lambda v: f"{v:.3f}" if v is not None else "-")
     table = head + "".join(
         f"<tr><td>{html.escape(n)}</td><td>{s['ok']}</td><td>{s['errors']}</td><td>{fmt(s['latency_s']['p50'])}</td>"
         f"<td>{fmt(s['latency_s']['p99'])}</td><td>{fmt(s['latency_s']['p99.9'])}</td><td>{fmt(s['ttft_s']['p99'])}</td></tr>"
