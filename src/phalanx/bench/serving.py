@@ -101,8 +101,31 @@ def slow_replica(token_file: Path, duration_s: float, load: float, max_tokens: i
                   f"p99 {lat['p99']:.3f} p99.9 {lat['p99.9']:.3f}", flush=True)
     finally:
         stop_replicas(reps)
+    sim = simulated_slow_replica(service_s, rate, duration_s + warmup_s)
     return {"service_time_s": service_s, "cpu_time_s": cpu_s, "rate_per_s": rate, "warmup_s": warmup_s,
-            "results": results}
+            "results": results, "simulated": sim}
+
+
+def simulated_slow_replica(service_s: float, rate: float, duration_s: float, seed: int = 0) -> dict[str, Any]:
+    """The same scenario in ``phalanx sim serve`` (the router's own decision code in virtual time), for
+    the simulator-against-real comparison (target: p50 and p99 within 15 %)."""
+    from phalanx.serve.routing_policy import Policy
+    from phalanx.serve.serving_faults import ServingFault
+    from phalanx.serve.sim_serve import SimServeConfig, simulate
+    from phalanx.sim.loop import VirtualTimeLoop
+
+    out: dict[str, Any] = {}
+    for name, policy, hedging in SLOW_CASES:
+        faults = [] if name == "healthy" else [ServingFault("straggler", 3, 0.0, None, 10.0, 0)]
+        loop = VirtualTimeLoop(seed)
+        try:
+            out[name] = loop.run_until_complete(simulate(SimServeConfig(
+                replicas=4, rate_per_s=rate, duration_s=duration_s, service_s=service_s, slots=1,
+                policy=Policy(policy), hedging=hedging, seed=seed), faults))
+        finally:
+            loop.close()
+        out[name].pop("membership", None)
+    return out
 
 
 def failover(token_file: Path, duration_s: float, max_tokens: int, kill_at_s: float = 5.0) -> dict[str, Any]:
@@ -191,6 +214,13 @@ def report(all_: dict[str, Any]) -> str:
                   "| policy | ok | failed | p50 s | p99 s | p99.9 s | p99 / healthy | hedges (extra) |",
                   "|---|---|---|---|---|---|---|---|"]
         lines += [_row(n, r, base) for n, r in s["results"].items()]
+        if "simulated" in s:
+            lines += ["", "Simulator against the real run (same service time, rate and fault; target within 15 %):", "",
+                      "| policy | real p50 s | sim p50 s | real p99 s | sim p99 s | p99 sim / real |", "|---|---|---|---|---|---|"]
+            for n, r in s["results"].items():
+                sim = s["simulated"][n]["latency_s"]
+                lines.append(f"| {n} | {r['latency_s']['p50']:.3f} | {sim['p50']:.3f} | {r['latency_s']['p99']:.3f} | "
+                             f"{sim['p99']:.3f} | {sim['p99'] / r['latency_s']['p99']:.2f} |")
     if "failover" in all_:
         f = all_["failover"]
         ratio = (f["p99_second_after_kill_s"] or 0) / (f["p99_before_s"] or 1)
