@@ -155,6 +155,31 @@ def test_hang_and_partition_from_a_fault_plan_cost_no_request_and_streams_stay_i
     assert _healthy(url, "r1") and _healthy(url, "r2")  # both re-admitted once they proved healthy again
 
 
+def test_a_killed_replica_with_restart_comes_back_on_its_port_and_is_readmitted_with_nothing_failed(ops, tmp_path):
+    reps, url, token = ops
+    seeds = list(range(6))
+    reference = asyncio.run(_mixed(url, seeds))
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[[fault]]\nkind = "kill"\nworker = 1\nat_s = 0.5\nrestart = true\n')
+    faults = load_serving_faults(plan, replicas=3)
+    old_pid = reps[1].proc.pid
+
+    async def run() -> tuple[dict, list]:
+        driver = asyncio.create_task(run_fault_plan(faults, reps, token))
+        out = await _mixed(url, seeds)
+        return out, await driver
+
+    out, applied = asyncio.run(run())
+    assert out == reference
+    assert [a["kind"] for a in applied] == ["kill", "restart"] and reps[1].proc.pid != old_pid
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not _healthy(url, "r1"):
+        time.sleep(0.1)
+    assert _healthy(url, "r1")
+    events = httpx.get(url + "/health", timeout=5).json()["events"]
+    assert any(e.get("replica") == "r1" and e.get("healthy") is False for e in events)  # it really left
+
+
 def test_sigterm_drains_the_replica_in_flight_work_finishes_and_nothing_fails(ops):
     reps, url, _ = ops
     seeds = list(range(6))

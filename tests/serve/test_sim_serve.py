@@ -57,3 +57,11 @@ def test_the_cli_compares_the_policies_and_writes_results(tmp_path):
     res = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
     assert set(res) == {"healthy", "round-robin", "p2c-queue", "p2c-latency", "p2c-latency+hedge"}
     assert all(r["failed"] == 0 and r["ok"] == r["requests"] for r in res.values())
+
+
+def test_a_killed_replica_with_restart_is_readmitted_in_the_simulator_too():
+    faults = [ServingFault("kill", 1, 2.0, None, 1.0, 1, restart=True)]
+    res = run(SimServeConfig(replicas=4, rate_per_s=20, duration_s=10, seed=2), faults)
+    assert res["failed"] == 0
+    r1 = [(m["t_s"], m["healthy"]) for m in res["membership"] if m["replica"] == "r001"]
+    assert [h for _, h in r1] == [False, True] and r1[1][0] >= 2.0 + 3.0

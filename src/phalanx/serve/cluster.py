@@ -39,10 +39,18 @@ class ReplicaProcess:
     proc: subprocess.Popen[str]
     port: int
     args: list[str] = field(default_factory=list)
+    token_file: Path | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def restart(self, ready_timeout_s: float = 120.0) -> None:
+        """A fresh process on the same port (after a kill): the router re-admits it once it proves healthy."""
+        assert self.token_file is not None and self.proc.poll() is not None
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = spawn_replica(self.replica_id, self.args, self.token_file, ready_timeout_s, self.port).proc
 
 
 def make_token_file(directory: str | Path | None = None) -> Path:
@@ -63,12 +71,13 @@ def _start_replica(args: list[str], token_file: Path, port: int = 0) -> subproce
                              "--exit-with-parent", *args], stdout=subprocess.PIPE, text=True, env=_env(token_file))
 
 
-def _wait_ready(replica_id: str, proc: subprocess.Popen[str], args: list[str], deadline_s: float) -> ReplicaProcess:
+def _wait_ready(replica_id: str, proc: subprocess.Popen[str], args: list[str], deadline_s: float,
+                token_file: Path | None = None) -> ReplicaProcess:
     assert proc.stdout is not None
     while time.monotonic() < deadline_s:  # bounded by the deadline and by EOF when the child exits
         line = proc.stdout.readline()
         if line.startswith(READY_LINE):
-            return ReplicaProcess(replica_id, proc, int(line.split()[1]), args)
+            return ReplicaProcess(replica_id, proc, int(line.split()[1]), args, token_file)
         if not line and proc.poll() is not None:
             break
     proc.kill()
@@ -78,7 +87,8 @@ def _wait_ready(replica_id: str, proc: subprocess.Popen[str], args: list[str], d
 
 def spawn_replica(replica_id: str, args: list[str], token_file: Path, ready_timeout_s: float = 120.0,
                   port: int = 0) -> ReplicaProcess:
-    return _wait_ready(replica_id, _start_replica(args, token_file, port), args, time.monotonic() + ready_timeout_s)
+    return _wait_ready(replica_id, _start_replica(args, token_file, port), args, time.monotonic() + ready_timeout_s,
+                       token_file)
 
 
 def spawn_replicas(n: int, args: list[str], token_file: Path, per_replica: dict[int, list[str]] | None = None,
@@ -90,7 +100,7 @@ def spawn_replicas(n: int, args: list[str], token_file: Path, per_replica: dict[
     deadline_s = time.monotonic() + ready_timeout_s
     try:
         for i, (proc, a) in enumerate(zip(procs, full)):
-            out.append(_wait_ready(f"r{i}", proc, a, deadline_s))
+            out.append(_wait_ready(f"r{i}", proc, a, deadline_s, token_file))
     except BaseException:
         for proc in procs[len(out):]:
             proc.kill()

@@ -38,6 +38,8 @@ async def apply_one(f: ServingFault, replica: _Replica, client: httpx.AsyncClien
     pid = replica.proc.pid
     if f.kind == "kill":
         _signal(pid, signal.SIGKILL)
+        if f.restart and hasattr(replica, "restart"):
+            return f"SIGKILL r{f.replica} (pid {pid}); restarting on port {replica.port}"
         return f"SIGKILL r{f.replica} (pid {pid})"
     if f.kind == "freeze":
         _signal(pid, signal.SIGSTOP)
@@ -55,6 +57,7 @@ async def run_fault_plan(faults: list[ServingFault], replicas: list[Any], token:
     """Apply every fault at its ``at_s``; returns what happened when (for the run's report)."""
     start = time.monotonic() if t0 is None else t0
     done: list[dict[str, Any]] = []
+    restarts: list[asyncio.Task[None]] = []
     async with httpx.AsyncClient(auth=ClusterTokenAuth(token)) as client:
         for f in sorted(faults, key=lambda f: (f.at_s, f.line)):
             await asyncio.sleep(max(0.0, start + f.at_s - time.monotonic()))
@@ -67,4 +70,18 @@ async def run_fault_plan(faults: list[ServingFault], replicas: list[Any], token:
                 what = f"r{f.replica}: could not apply {f.kind} ({type(e).__name__})"
             done.append({"t_s": round(time.monotonic() - start, 3), "kind": f.kind, "replica": f.replica, "what": what})
             log(what)
+            if f.kind == "kill" and f.restart and hasattr(replicas[f.replica], "restart"):
+                restarts.append(asyncio.create_task(_restart(replicas[f.replica], f, start, done, log)))
+        if restarts:
+            await asyncio.gather(*restarts)  # bounded by the replica's start timeout
     return done
+
+
+async def _restart(replica: Any, f: ServingFault, start: float, done: list[dict[str, Any]],
+                   log: Callable[[str], None]) -> None:
+    """In the background, so later faults keep their times: wait for the death, start a fresh process."""
+    await asyncio.to_thread(replica.proc.wait, 10)
+    await asyncio.to_thread(replica.restart)
+    what = f"r{f.replica} restarted (pid {replica.proc.pid})"
+    done.append({"t_s": round(time.monotonic() - start, 3), "kind": "restart", "replica": f.replica, "what": what})
+    log(what)

@@ -26,6 +26,7 @@ class ServingFault:
     factor: float
     line: int
     params: tuple[tuple[str, Any], ...] = ()  # latency: mean_ms, jitter_ms; loss: probability
+    restart: bool = False  # kill: start a fresh replica on the same port (the vocabulary's default is true)
 
 
 _EDGE_PARAMS = ("mean_ms", "jitter_ms", "probability")
@@ -62,7 +63,8 @@ def serving_faults(path: str, faults: tuple[Fault, ...], replicas: int | None = 
             if replicas is not None and not 0 <= r < replicas:
                 raise FaultPlanError(path, f.line, f"replica {r} does not exist: this run has {replicas} "
                                                    f"(indices 0..{replicas - 1})")
-            out.append(ServingFault(f.kind.value, r, f.at_s or 0.0, f.for_s, f.factor or 1.0, f.line, params))
+            out.append(ServingFault(f.kind.value, r, f.at_s or 0.0, f.for_s, f.factor or 1.0, f.line, params,
+                                    f.kind is FaultKind.KILL and f.restart))
     return out
 
 

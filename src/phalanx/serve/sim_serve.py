@@ -41,6 +41,9 @@ class SimServeConfig:
     detector: DetectorConfig = DetectorConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
 
 
+RESTART_S = 3.0  # a killed replica with restart = true is serving again this long after (the model loads)
+
+
 class ReplicaGone(Exception):
     def __init__(self, replica_gone: bool) -> None:
         super().__init__("replica gone" if replica_gone else "failed")
@@ -269,6 +272,8 @@ class ServeSim:
             if f.kind == "kill":
                 r.alive = False
                 self._fail_pending(r)  # their connections reset
+                if f.restart:  # a fresh process, up after RESTART_S (re-admitted after 3 good polls)
+                    asyncio.get_running_loop().call_later(RESTART_S, setattr, r, "alive", True)
             elif f.kind in ("freeze", "hang", "partition"):
                 setattr(r, {"freeze": "frozen_until_s", "hang": "hung_until_s", "partition": "partition_until_s"}[f.kind],
                         until)
