@@ -147,7 +147,7 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2))
     t = Table(title="phalanx vs plain DDP (Gloo): median step, ratio per alternating pair")
     for col in ("workload", "workers", "DDP ms", "strict ms", "available ms", "strict / DDP", "available / DDP"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=True)
     for row in rows:
         m = row["median_step_s"]
         t.add_row(row["workload"], str(row["workers"]),
