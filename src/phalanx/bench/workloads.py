@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 # name -> (input width, hidden width, hidden layers, output width)
-MLPS = {"mlp-6m": (256, 1200, 4, 256), "mlp-25m": (512, 2480, 4, 512)}
+MLPS = {"mlp-6m": (256, 1350, 4, 256), "mlp-25m": (512, 2720, 4, 512)}  # 6.2 M and 25.0 M parameters
 WORKLOADS = ("charlm", *MLPS)
 MLP_DATASET = 2048
 MLP_GLOBAL_BATCH = 64
