@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -249,8 +250,12 @@ def main() -> int:
     ap.add_argument("--overhead-rate", type=float, default=200.0, help="req/s for the router-overhead case")
     ap.add_argument("--out", default="runs/bench-serving.json")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-serving-") as tmp:  # the token goes with the run
+        return _run_sections(args, make_token_file(tmp))
+
+
+def _run_sections(args: argparse.Namespace, token_file: Path) -> int:
     only = set(args.only.split(","))
-    token_file = make_token_file()
     all_: dict[str, Any] = {}
     if "slow" in only:
         all_["slow_replica"] = slow_replica(token_file, args.duration_s, args.load, args.max_tokens)

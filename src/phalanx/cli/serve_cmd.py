@@ -12,8 +12,7 @@ from typing import Any
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from phalanx.core.auth import read_token_file
-    from phalanx.serve.cluster import make_token_file, router_config, serve_forever, spawn_replicas, stop_replicas
+    from phalanx.serve.cluster import make_token_file
     from phalanx.serve.served_model import find_checkpoint
 
     if args.demo:
@@ -26,7 +25,18 @@ def _serve(args: argparse.Namespace) -> int:
         from phalanx.serve.serving_faults import load_serving_faults
 
         faults = load_serving_faults(args.fault_plan, args.replicas)  # refused with file:line before anything starts
-    token_file = Path(args.token_file) if args.token_file else make_token_file()
+    if not args.token_file:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="phalanx-serve-") as tmp:  # the fresh token dies with the run
+            return _serve_with(args, ckpt, faults, make_token_file(tmp))
+    return _serve_with(args, ckpt, faults, Path(args.token_file))
+
+
+def _serve_with(args: argparse.Namespace, ckpt: Any, faults: Any, token_file: Any) -> int:
+    from phalanx.core.auth import read_token_file
+    from phalanx.serve.cluster import router_config, serve_forever, spawn_replicas, stop_replicas
+
     read_token_file(token_file)  # a bad token file is a one-line error, not a replica that never starts
     print(f"phalanx serve: loading {ckpt} into {args.replicas} replicas ...", flush=True)
     reps = spawn_replicas(args.replicas, ["--checkpoint", str(ckpt), "--batch-size-max", str(args.batch_size_max),
