@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/phalanx train
-	$(VENV)/bin/phalanx serve --demo "$$(ls -td runs/train-* | head -1)"
+	RUN="$$(ls -td runs/train-* | head -1)" && $(VENV)/bin/phalanx serve --demo "$$RUN" --checkpoint "$$RUN" --demo-duration 15
 
 # `make test`: every case but the long ones (marked slow), in under 15 minutes on 2 cores;
 # `make test-slow`: the long ones (CI runs both: every fault path runs in CI); `make test-all`: both.
