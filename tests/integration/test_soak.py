@@ -10,6 +10,7 @@ from phalanx.runtime.soak import KINDS, run_soak
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 3 minutes of faults, plus start, the reference run and the checks
 def test_a_short_soak_survives_every_fault_kind_and_every_hostile_connection(tmp_path):
     res = run_soak(180.0, tmp_path / "soak", seed=1, show_progress=False)
     assert res["ok"], json.dumps(res, indent=2)

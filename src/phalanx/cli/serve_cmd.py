@@ -10,10 +10,16 @@ from typing import Any
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import signal
+    import sys
     from pathlib import Path
 
     from phalanx.serve.cluster import make_token_file
     from phalanx.serve.served_model import find_checkpoint
+
+    # SIGTERM ends the run like Ctrl-C: replicas stopped, the fresh token's temp folder removed
+    # (the default action would kill this process with both left behind)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     if args.demo:
         from phalanx.serve.demo import run_demo
