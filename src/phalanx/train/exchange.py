@@ -33,7 +33,6 @@ class Exchange:
         self._pending: list[Pending] = []
         self._queued: list[tuple[Any, float]] = []  # to issue from the loop, in order
         self._lock = threading.Lock()
-        self.launched = 0
 
     @classmethod
     def broken(cls, why: str) -> "Exchange":
@@ -42,7 +41,6 @@ class Exchange:
     def launch(self, tensor: Any, share: float = 1.0) -> None:
         """Start summing ``tensor`` in place across the quorum (or queue it, keeping the order)."""
         with self._lock:
-            self.launched += 1
             if self.failed or self.pg is None:
                 return
             if not self._queued:

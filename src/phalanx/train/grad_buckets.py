@@ -39,9 +39,8 @@ class _Bucket:
     params: list[torch.nn.Parameter]
     views: list[torch.Tensor]
     numel: int
-    ready: int = 0  # parameters whose gradient has arrived this step
     started: bool = False
-    seen: set[int] = field(default_factory=set)
+    seen: set[int] = field(default_factory=set)  # positions whose gradient arrived this step
 
 
 class GradientBuckets:
@@ -92,7 +91,7 @@ class GradientBuckets:
         self._exchange, self._share = exchange, share
         self._next, self.error = 0, ""
         for b in self.buckets:
-            b.ready, b.started = 0, False
+            b.started = False
             b.seen.clear()
 
     @property
@@ -114,7 +113,6 @@ class GradientBuckets:
             return
         self._adopt(b, j)
         b.seen.add(j)
-        b.ready += 1
         self._start_ready()
 
     def _adopt(self, b: _Bucket, j: int) -> None:
@@ -130,7 +128,7 @@ class GradientBuckets:
     def _start_ready(self) -> None:
         while self._next < len(self.buckets):
             b = self.buckets[self._next]
-            if b.ready < len(b.params):
+            if len(b.seen) < len(b.params):
                 return
             self._start(b)
 
