@@ -48,11 +48,8 @@ def test_a_restarted_coordinator_without_its_fencing_floor_lets_workers_diverge(
     assert off["workers diverged at a step"] > 0 and off["quorum ids reused"] > 0 and not off["ok"]
 
 
-def test_the_unfenced_cluster_is_refused_outside_the_lab():
-    import pytest
-
-    from phalanx.core.errors import ConfigError
-    from phalanx.lab.fencing import UnfencedCluster
-
-    with pytest.raises(ConfigError):
-        UnfencedCluster(workers=2, steps=2)
+def test_a_worker_leaving_for_good_stops_a_fixed_world_but_not_the_elastic_quorum_in_the_simulator(tmp_path):
+    o = run_quick("fallacy-fixed-topology", tmp_path)
+    e, f = o.data["elastic quorum"], o.data["fixed world OFF"]
+    assert e["ok"] and e["steps_committed"] == e["steps"]
+    assert not f["ok"] and 0 < f["steps_committed"] < f["steps"]

@@ -3,8 +3,9 @@ administrator, homogeneous), one experiment each, mechanism off and on. The netw
 fallacies.py; the helpers (bar_plot, _s) are shared from there.
 
 Most run in the simulator, which runs phalanx's own coordinator and worker code and has the knob
-each one needs (link latency, collective algorithm, gradient size). ``fixed_topology`` needs the
-launcher's ``min_workers`` and runs on real processes; ``secure_network`` and
+each one needs (link latency, collective algorithm, gradient size). ``fixed_topology`` sets
+``min_workers`` (the launcher's, or the simulator Cluster's) and runs on real processes, or in the
+simulator under ``--sim``/``--quick``; ``secure_network`` and
 ``one_administrator`` are sandboxes built from the real transport and run-folder functions.
 """
 
@@ -57,14 +58,16 @@ def fixed_topology(ctx: LabContext) -> Outcome:
     def faults(sc: Scenario) -> Scenario:
         return sc.crash(2, at_s=1.0, restart=False)
 
-    if ctx.sim:
-        ctx.say("no simulator form (its Cluster has no min_workers seam): running real processes")
     rows, data, timelines = [], {}, {}
     for label, sw in (("elastic quorum", ALL_ON), ("fixed world OFF", off("elastic_membership"))):
-        ctx.say(f"w2 leaves for good at 1 s, {label}, real processes ...")
-        # the fixed world stands still once w2 is gone: the wall-clock limit is the lab's deadline for it
-        job = run_real(ctx.sub(label.split()[0]), workers, steps, faults, seed=ctx.seed, sw=sw, min_step_s=0.05,
-                       max_wall_s=90.0 if sw.elastic_membership else FIXED_WORLD_DEADLINE_S, stall_timeout_s=6.0)
+        ctx.say(f"w2 leaves for good at 1 s, {label}, on {ctx.where} ...")
+        # the fixed world stands still once w2 is gone: the lab's deadline (virtual or wall-clock) stops it
+        deadline_s = 90.0 if sw.elastic_membership else FIXED_WORLD_DEADLINE_S
+        if ctx.sim:  # the simulator's Cluster takes min_workers like the launcher
+            job = run_sim(workers, steps, faults, seed=ctx.seed, sw=sw, deadline_s=deadline_s)
+        else:
+            job = run_real(ctx.sub(label.split()[0]), workers, steps, faults, seed=ctx.seed, sw=sw, min_step_s=0.05,
+                           max_wall_s=deadline_s, stall_timeout_s=6.0)
         data[label] = {"ok": job.ok, "reason": job.reason, "steps_committed": job.steps_committed(),
                        "steps": steps}
         timelines[label] = job.commit_times_s()
@@ -76,9 +79,10 @@ def fixed_topology(ctx: LabContext) -> Outcome:
             f"all {workers} workers, like a static torchrun world) the job committed {f['steps_committed']} and then "
             f"stood still until the lab's deadline stopped it: {f['reason']}.")
     return Outcome("fallacy-fixed-topology", "Topology doesn't change? What happens when a member leaves for good?",
-                   f"{workers} real worker processes, {steps} steps; w2 SIGKILLed at 1 s, no restart; OFF = "
-                   f"min_workers = {workers}, stopped by a {FIXED_WORLD_DEADLINE_S:.0f} s wall-clock deadline.",
-                   ["run", "steps committed", "all steps committed", "launcher's verdict"], rows, para,
+                   f"{workers} workers on {ctx.where}, {steps} steps; w2 SIGKILLed at 1 s, no restart; OFF = "
+                   f"min_workers = {workers}, stopped by a {FIXED_WORLD_DEADLINE_S:.0f} s "
+                   f"{'virtual' if ctx.sim else 'wall-clock'} deadline.",
+                   ["run", "steps committed", "all steps committed", "how it ended"], rows, para,
                    "elastic: every step commits; fixed world: the job stops short", held, data,
                    {"commits.png": _commit_plot(timelines)})
 

@@ -4,8 +4,9 @@ fencing floor (the highest quorum id and committed step its predecessor durably 
 coordinator issues ids above every old one and waits for the holders; without it, it reuses ids,
 commits steps again and the model diverges. Runs in the simulator, whose checkers see every worker.
 
-The switch is the lab's own subclass of the simulator's Cluster, which starts the replacement
-coordinator without the floor; nothing in the protocol is edited.
+The switch is the simulator Cluster's public, lab-only field ``restart_fencing_floor`` (refused
+outside a lab session, like every lab switch): False starts the replacement coordinator without
+the floor; nothing in the protocol is edited.
 """
 
 from __future__ import annotations
@@ -29,18 +30,6 @@ KINDS = {  # checker message -> the column it is counted in
 VIOLATIONS_KEPT = 50  # the simulator keeps the first 50
 
 
-class UnfencedCluster(Cluster):
-    """A Cluster whose restarted coordinator forgets its predecessor's durable floor (lab only)."""
-
-    def __post_init__(self) -> None:
-        LabSwitches(fencing=False)  # refused outside a lab session
-        super().__post_init__()
-
-    async def _start_coordinator(self, bind: str, resume: tuple[str, int] | None,
-                                 floor: tuple[int, int, tuple[str, ...]] = (0, -1, ())) -> str:
-        return await super()._start_coordinator(bind, None, (0, -1, ()))
-
-
 def _scenario(workers: int, seed: int) -> Scenario:
     """w2 cut off 1-4 s (it falls behind), w0 and w1 (the holders) frozen 3.5-9.5 s, the coordinator
     killed at 3.7 s and back at 4.0 s, just as w2 reconnects."""
@@ -51,8 +40,8 @@ def _scenario(workers: int, seed: int) -> Scenario:
 
 def _run(sw: LabSwitches, steps: int, seed: int) -> SimResult:
     sc = _scenario(3, seed)
-    cls = Cluster if sw.fencing else UnfencedCluster
-    return cls(workers=sc.workers, steps=steps, seed=sc.seed, plan=sc.plan, max_virtual_s=120.0).run()
+    return Cluster(workers=sc.workers, steps=steps, seed=sc.seed, plan=sc.plan, max_virtual_s=120.0,
+                   restart_fencing_floor=sw.fencing).run()
 
 
 def tally(violations: list[str]) -> dict[str, int]:

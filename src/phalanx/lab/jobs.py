@@ -89,7 +89,7 @@ class JobRun:
 # the switches each kind of job acts on; any other switch off is refused rather than silently ignored
 _DETECTION = {"deadlines", "progress_detector", "collective_deadline", "timeout_margin"}
 _MODES = {"adaptive_shares", "infrequent_sync"}
-SIM_HONOURS = _DETECTION | _MODES | {"bandwidth_optimal_allreduce"}
+SIM_HONOURS = _DETECTION | _MODES | {"bandwidth_optimal_allreduce", "elastic_membership"}
 REAL_HONOURS = _DETECTION | _MODES | {"elastic_membership"}
 
 
@@ -129,6 +129,8 @@ def run_sim(workers: int, steps: int, faults: Faults | None = None, *, seed: int
         cluster["collective"] = CollectiveModel("tree", base.alpha_s, base.beta_s_per_byte)
     _refuse_unhonoured(sw, SIM_HONOURS, "a simulated job")
     cluster["modes"] = modes_for(sw, cluster.get("modes", ModeConfig()))
+    if not sw.elastic_membership:
+        cluster["min_workers"] = workers  # a fixed world: every step needs every worker
     sc = Scenario(workers, seed, detector=detector_for(sw),
                   collective_timeout_s=collective_timeout_for(sw, collective_timeout_s),
                   max_virtual_s=deadline_s, **cluster)
@@ -145,8 +147,10 @@ def plan_of(faults: Faults | None, workers: int) -> FaultPlan:
 
 def run_real(run_dir: Path, workers: int, steps: int, faults: Faults | None = None, *, seed: int = 0,
              sw: LabSwitches = ALL_ON, modes: ModeConfig = ModeConfig(), min_step_s: float = 0.0,
-             max_wall_s: float = 120.0, stall_timeout_s: float = 20.0) -> JobRun:
-    """A real job: the bundled model on ``workers`` local processes (a crashed one is restarted)."""
+             max_wall_s: float = 120.0, stall_timeout_s: float = 20.0, overlap: bool = True) -> JobRun:
+    """A real job: the bundled model on ``workers`` local processes (a crashed one is restarted).
+    ``overlap=False``: the gradients are all-reduced after the backward pass, not during it
+    (``charlm_train --no-overlap``, i.e. ``job.track(..., overlap=False)``)."""
     from phalanx.runtime.launcher import LaunchConfig, launch, python_argv
     from phalanx.runtime.run_dir import claim_run_dir
 
@@ -155,7 +159,8 @@ def run_real(run_dir: Path, workers: int, steps: int, faults: Faults | None = No
     plan.require_supported("real")
     claim_run_dir(run_dir)
     argv = python_argv("phalanx.workload.charlm_train", "--steps", str(steps), "--seed", str(seed),
-                       "--global-batch-size", "32", "--min-step-s", str(min_step_s))
+                       "--global-batch-size", "32", "--min-step-s", str(min_step_s),
+                       *(() if overlap else ("--no-overlap",)))
     res = launch(LaunchConfig(argv=argv, workers=workers, run_dir=run_dir, fault_plan=plan, restart_failed=True,
                               total_steps=steps, data_seed=seed, show_progress=False, modes=modes_for(sw, modes),
                               detector=detector_for(sw), collective_timeout_s=collective_timeout_for(sw),

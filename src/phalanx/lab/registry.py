@@ -42,7 +42,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                attr="secure_network", where="sandbox"),
     Experiment("fallacy-fixed-topology", "fallacies_cluster",
                "a worker leaves for good: elastic quorum vs a fixed world",
-               attr="fixed_topology"),
+               attr="fixed_topology", quick_sim=True),
     Experiment("fencing", "fencing", "a coordinator restart under a stale epoch, with and without its fencing floor",
                sim_by_default=True),
     Experiment("fallacy-one-administrator", "fallacies_cluster",

@@ -3,7 +3,9 @@
 ``LabSwitches`` names each mechanism an experiment can turn off. Every field defaults to on; a
 ``LabSwitches`` with any mechanism off can only be built inside :func:`lab_session` (which only
 ``phalanx lab`` and the lab's tests open): anywhere else it raises ``ConfigError``, so no production
-path can run with, say, its deadlines switched off.
+path can run with, say, its deadlines switched off. The session gate lives in
+``sim/lab_session.py``, below the lab, so that the simulator refuses its own lab-only field
+(``Cluster.restart_fencing_floor``) the same way.
 
 A switch never edits protocol code: it maps to existing configuration (detector and collective
 deadlines, consistency mode, the collective algorithm of the simulator) or to a sandbox the
@@ -12,17 +14,13 @@ experiment builds for itself (authentication, run-folder ownership). ``describe(
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import secrets
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from phalanx.core.errors import ConfigError
+from phalanx.sim.lab_session import LAB_ENV, in_lab_session, lab_session
 
-LAB_ENV = "PHALANX_LAB_SESSION"  # set by lab_session() to a nonce only this process knows
-_nonce: str | None = None
+__all__ = ["ALL_ON", "LAB_ENV", "NEVER_S", "OFF_MEANS", "LabSwitches", "in_lab_session", "lab_session", "off"]
 
 # A deadline that never fires within any lab run (its own wall/virtual deadline bounds the run).
 NEVER_S = 86_400.0
@@ -72,30 +70,6 @@ class LabSwitches:
 
 
 ALL_ON = LabSwitches()
-
-
-def in_lab_session() -> bool:
-    return _nonce is not None and os.environ.get(LAB_ENV) == _nonce
-
-
-@contextlib.contextmanager
-def lab_session() -> Iterator[None]:
-    """The only place where mechanisms may be switched off. Nested sessions reuse the outer one."""
-    global _nonce
-    if in_lab_session():
-        yield
-        return
-    old = os.environ.get(LAB_ENV)
-    _nonce = secrets.token_hex(8)
-    os.environ[LAB_ENV] = _nonce
-    try:
-        yield
-    finally:
-        _nonce = None
-        if old is None:
-            os.environ.pop(LAB_ENV, None)
-        else:
-            os.environ[LAB_ENV] = old
 
 
 def off(*names: str) -> LabSwitches:

@@ -17,6 +17,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,11 +25,13 @@ import numpy as np
 from phalanx.faults.plan import EMPTY_PLAN, Fault, FaultKind, FaultPlan
 from phalanx.faults.targets import cut_off, link_scope, partition_sides
 from phalanx.faults.timeline import FaultTimeline
-from phalanx.membership.commit_log import CommitRecord, merge_commits
+from phalanx.membership.commit_log import CommitLogWriter, CommitRecord, merge_commits, read_commits, read_superseded
 from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
 from phalanx.membership.failure_detector import DetectorConfig
 from phalanx.membership.quorum import QuorumConfig
+from phalanx.core.errors import ConfigError
 from phalanx.sim.host import SimHost
+from phalanx.sim.lab_session import require_lab_session
 from phalanx.sim.loop import run_virtual
 from phalanx.sim.network import Impairment, LinkModel, SimNetwork
 from phalanx.sim.process_group import CollectiveModel, SimProcessGroupFactory
@@ -106,14 +109,24 @@ class Cluster:
     collective_timeout_s: float = 5.0
     max_virtual_s: float = 3600.0
     record_spans: bool | None = None  # default: only for small clusters
+    commits_kept: int = 4096  # the coordinator's in-memory ring of commit records (CoordinatorConfig)
+    commit_log: str = ""  # a file: every incarnation appends its commits there, as on real runs (else a list)
     modes: ModeConfig = field(default_factory=ModeConfig)  # strict, available or local-sgd
     checkpoint_every_steps: int = 0  # durable (in-memory) checkpoints every K steps; the last step always
     process_exit_s: float = 0.0  # a killed process's sockets reset this long after the kill
     gradient_bytes: int = 0  # > 0: collectives cost as for a model with this many gradient bytes
+    min_workers: int = 1  # the quorum's floor (the launcher's --min-workers); N = a fixed world
+    # Lab only (refused outside a lab session): False = a restarted coordinator starts without the
+    # durable floor of quorum ids and committed step its predecessor recorded, i.e. no fencing
+    restart_fencing_floor: bool = True
 
     def __post_init__(self) -> None:
         self.plan.validate_workers(self.workers)  # every target index, with its line, before the run
         self.plan.require_supported("sim")
+        if not self.restart_fencing_floor:
+            require_lab_session("Cluster(restart_fencing_floor=False)")
+        if not 1 <= self.min_workers <= self.workers:
+            raise ConfigError(f"min_workers = {self.min_workers}: must be between 1 and the {self.workers} workers")
         if self.model_cfg.global_batch_size < self.workers:
             self.model_cfg = SimModelConfig(**{**vars(self.model_cfg), "global_batch_size": self.workers * 2,
                                                "dataset_size": max(self.model_cfg.dataset_size, self.workers * 16)})
@@ -193,6 +206,7 @@ class Cluster:
         self._state_lost: tuple[float, int] | None = None  # (time, step): see _note_state_loss
         # dead incarnations as they were when killed: (start time, commit records, steps retried)
         self._retired: list[tuple[float, list[CommitRecord], int]] = []
+        self._commit_writer = CommitLogWriter(Path(self.commit_log)) if self.commit_log else None
         self._applied: list[tuple[float, str, int, int]] = []
         self._killed: set[tuple[str, str]] = set()  # (worker, incarnation) of every killed process
         self.cluster_step = -1  # highest step committed by any incarnation
@@ -242,12 +256,18 @@ class Cluster:
 
         # workers that join later are not waited for at the start (else the first quorum would wait
         # initial_wait_s for them)
-        quorum = QuorumConfig(min_workers=1, expected_workers=self.workers - len(self.plan.joiners))
+        quorum = QuorumConfig(min_workers=self.min_workers, expected_workers=self.workers - len(self.plan.joiners))
         ccfg = CoordinatorConfig(detector=self.detector, quorum=quorum, collective_timeout_s=self.collective_timeout_s,
                                  run_id=f"sim-{self.seed}", modes=self.modes,
                                  checkpoint_every_steps=self.checkpoint_every_steps, run_dir="sim://run")
         self._coord_t0 = self._loop.time()
-        self.coord = Coordinator(SimHost(self.net, self._cnode, self.seed), ccfg, "sim-store", on_event, resume=resume)
+        # every record of this incarnation (the coordinator keeps only a ring): a list, or the log file
+        self._coord_records: list[CommitRecord] = []
+        sink = (self._commit_writer.incarnation(self._coord_t0) if self._commit_writer is not None
+                else self._coord_records.append)
+        self.coord = Coordinator(SimHost(self.net, self._cnode, self.seed),
+                                 dataclasses.replace(ccfg, commits_kept=self.commits_kept), "sim-store", on_event,
+                                 resume=resume, on_commit=sink)
         self.coord.raise_floor(*floor)
         address = await self.net.spawn(self._cnode, self.coord.start(bind), "start")
         self._coord_up = True
@@ -261,7 +281,7 @@ class Cluster:
         self._coord_up = False
         old = self.coord
         # what it did after this instant (its cancelled tasks' finally blocks) never happened
-        self._retired.append((self._coord_t0, list(old.commits), old.steps_retried))
+        self._retired.append((self._coord_t0, list(self._coord_records), old.steps_retried))
         self._coord_epoch += 1
         self._fence_qid = self._last_qid
         self.net.crash(self._cnode)
@@ -273,8 +293,10 @@ class Cluster:
         # The launcher's durable floor (RUN/coordinator_floor, written before each new id or commit
         # went out): ids above every id the dead incarnation issued and no committed step committed
         # again, even if only a worker that has not reconnected yet (a frozen one) saw them.
-        address = await self._start_coordinator(self.coordinator_address, resume,
-                                                floor=(self._fence_qid, self.cluster_step, self._last_commit_members()))
+        floor = (self._fence_qid, self.cluster_step, self._last_commit_members())
+        if not self.restart_fencing_floor:  # lab only: the new incarnation cannot fence the old one's epochs
+            floor = (0, -1, ())
+        address = await self._start_coordinator(self.coordinator_address, resume, floor=floor)
         assert address == self.coordinator_address, "a restarted coordinator listens at the same address"
 
     def _note_state_loss(self) -> None:
@@ -460,7 +482,7 @@ class Cluster:
                          self.spans, digest_lines(lines), self._applied, superseded)
 
     def _incarnations(self) -> list[tuple[float, list[CommitRecord], int]]:
-        live = [(self._coord_t0, self.coord.commits, self.coord.steps_retried)] if self._coord_up else []
+        live = [(self._coord_t0, self._coord_records, self.coord.steps_retried)] if self._coord_up else []
         return self._retired + live
 
     def _merged_commits(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -468,6 +490,10 @@ class Cluster:
         (membership/commit_log.py): a decision that died with its coordinator before any worker
         applied it is redone by the next one (the checkers prove nobody applied it); the redo is
         the record that stuck, the lost one is listed as superseded."""
+        if self._commit_writer is not None:  # streamed back from the log, checked line by line
+            self._commit_writer.close()
+            path = self._commit_writer.path
+            return [_commit_json(c) for c in read_commits(path)], [_commit_json(c) for c in read_superseded(path)]
         incarnations = []
         for t0, records, _ in self._incarnations():
             if len({c.step for c in records}) != len(records):

@@ -140,7 +140,12 @@ class SimWorker:
         offset, count = a.shard_bounds(gbs)  # even, or by measured speed in available mode
         idx = sharding.global_batch(ticket.step, cfg.dataset_size, gbs, cfg.seed)[offset : offset + count]
         t0 = host.now()
-        await host.sleep(self.observer.compute_s(self, count))
+        compute_s = self.observer.compute_s(self, count)
+        overlapped = cfg.overlap and not ticket.local and ticket.exchange is not None
+        if overlapped:
+            buckets = await self._compute_overlapped(ticket, idx, compute_s, t0)
+        else:
+            await host.sleep(compute_s)
         if self.hang_s > 0:  # hung inside the step, heartbeats still flowing
             hang, self.hang_s = self.hang_s, 0.0
             await host.sleep(hang)
@@ -154,9 +159,10 @@ class SimWorker:
         assert ex is not None, "a voting ticket carries its exchange"
         # the gradient in buckets, in order (as real runs start them from autograd hooks), then
         # the tail: the same Exchange and vote as real runs
-        buckets = np.array_split(grad, max(1, min(cfg.grad_buckets, cfg.features)))
-        for b in buckets:
-            ex.launch(b, len(b) / cfg.features)
+        if not overlapped:
+            buckets = self._buckets(grad)
+            for b in buckets:
+                ex.launch(b, len(b) / cfg.features)
         layout = TailLayout(gbs)
         tail = np.empty(layout.size)
         layout.fill(tail, offset, idx, loss / share, share)
@@ -170,6 +176,27 @@ class SimWorker:
         self.w = self.w - cfg.lr * np.concatenate(buckets)
         self.observer.on_worker_commit(self, a.step, a.quorum_id, params_digest(self.w))
         return BodyResult(True, count, vote.loss)
+
+    def _buckets(self, grad: np.ndarray) -> list[np.ndarray]:
+        cfg = self.env.model_cfg
+        return np.array_split(grad, max(1, min(cfg.grad_buckets, cfg.features)))
+
+    async def _compute_overlapped(self, ticket: Ticket, idx: np.ndarray, compute_s: float,
+                                  t0: float) -> list[np.ndarray]:
+        """Compute with overlap (SimModelConfig.overlap): bucket k of B is ready, and enters its
+        all-reduce, at compute * (k+1)/B, in order, as a real backward's hooks start them. The
+        gradient's arithmetic is the same as without overlap (the parameters do not change during
+        the body), so only the timing differs; the group's links still carry one collective at
+        a time (busy_until_s), so a bucket that is ready while the previous one is on the wire
+        waits for it."""
+        assert self.agent is not None and ticket.exchange is not None
+        host, cfg = self.agent.host, self.env.model_cfg
+        grad, _ = self.env.data.shard_gradient(self.w, idx)
+        buckets = self._buckets(grad)
+        for k, b in enumerate(buckets):
+            await host.sleep(max(0.0, t0 + compute_s * (k + 1) / len(buckets) - host.now()))
+            ticket.exchange.launch(b, len(b) / cfg.features)
+        return buckets
 
     # ---- TrainingState ----
     def _capture(self) -> tuple[bytes, list[memoryview]]:

@@ -23,6 +23,9 @@ class SimModelConfig:
     lr: float = 0.05
     seed: int = 0
     grad_buckets: int = 2  # the gradient travels in this many buckets, then the coverage tail
+    # True: bucket k of B starts at compute * (k+1)/B, during the compute, as autograd hooks start
+    # them during a real backward (job.track(overlap=True)); False: all after the compute
+    overlap: bool = False
 
 
 class RegressionData:

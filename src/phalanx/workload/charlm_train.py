@@ -33,6 +33,9 @@ def main() -> None:
     ap.add_argument("--min-step-s", type=float, default=0.0,
                     help="pace each step to at least this long with every worker in (emulates a larger model's "
                          "compute; a larger or smaller share of the batch is paced in proportion)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="all-reduce the gradients after the backward pass instead of in buckets during it "
+                         "(job.track(..., overlap=False); the lab's latency experiment compares the two)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg, data = build(seed=args.seed, global_batch_size=args.global_batch_size)
@@ -40,7 +43,7 @@ def main() -> None:
     optimizer = build_optimizer(model, cfg)
 
     job = phalanx.join()                                          # phalanx line 1
-    job.track(model=model, optimizer=optimizer)                   # phalanx line 2
+    job.track(model=model, optimizer=optimizer, overlap=not args.no_overlap)  # phalanx line 2
     for step in job.steps(args.steps):                            # phalanx line 3
         idx = step.shard(len(data), cfg.global_batch_size)        # phalanx line 4
         x, y = data.batch(idx)
