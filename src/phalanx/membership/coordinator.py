@@ -37,15 +37,19 @@ __all__ = ["Coordinator", "CoordinatorConfig", "CommitRecord", "WorkerSession", 
 class Coordinator(WorkerMessages):
     def __init__(self, host: Host, cfg: CoordinatorConfig, store_address: str,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
-                 resume: tuple[str, int] | None = None) -> None:
+                 resume: tuple[str, int] | None = None,
+                 on_commit: Callable[[CommitRecord], None] | None = None) -> None:
         self.host, self.cfg, self.store_address = host, apply_mode(cfg), store_address
         self._on_event = on_event
+        self._on_commit = on_commit  # gets every commit record, before the decision leaves the process
         self.sessions = Sessions()
         self.quorum: CurrentQuorum | None = None
         self.cluster_step = resume[1] if resume else -1
         self.checkpoint: tuple[str, int] = resume if resume else ("", -1)
         self.max_id_seen = 0
-        self.commits: list[CommitRecord] = []
+        # the last cfg.commits_kept records only; the full history is the on_commit sink's
+        self.commits: deque[CommitRecord] = deque(maxlen=max(1, cfg.commits_kept))
+        self.commits_total = 0
         self.steps_retried = 0
         self.stall_reason = ""
         self.total_steps = -1  # the loop's length as workers report it (-1: unknown)
@@ -234,6 +238,9 @@ class Coordinator(WorkerMessages):
         rec = CommitRecord(q.step, q.quorum_id, q.members, loss, round(now - self._t0, 6),
                            round(now - self._last_commit_s, 6), covered)
         self.commits.append(rec)
+        self.commits_total += 1
+        if self._on_commit is not None:
+            self._on_commit(rec)  # the full log (RUN/commits.jsonl) holds it before any worker hears of it
         self.cluster_step = q.step
         self._last_commit_s = now
         # recorded (the launcher's durable floor) before any decision leaves the process

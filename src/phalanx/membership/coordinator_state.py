@@ -27,6 +27,9 @@ class CoordinatorConfig:
     drain_s: float = 5.0
     sessions_max: int = 4096  # distinct worker ids; a Hello beyond it is refused
     session_keep_s: float = 60.0  # a departed, finished session is forgotten this long after it left
+    # commit records kept in memory (a ring); every record also goes to the on_commit sink as it
+    # commits (a real run's: RUN/commits.jsonl, membership/commit_log.py)
+    commits_kept: int = 4096
 
 
 def apply_mode(cfg: CoordinatorConfig) -> CoordinatorConfig:

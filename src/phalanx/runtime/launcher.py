@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from phalanx.core.errors import JobFailed
 from phalanx.core.modes import ModeConfig
 from phalanx.faults.plan import EMPTY_PLAN, FaultKind, FaultPlan
 from phalanx.faults.timeline import FaultTimeline
+from phalanx.membership.commit_log import COMMITS_FILE, CommitHistory, CommitLogWriter, CommitRecord, commit_json
 from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
 from phalanx.membership.failure_detector import DetectorConfig
 from phalanx.membership.quorum import QuorumConfig
@@ -71,7 +72,7 @@ class LaunchResult:
     ok: bool
     reason: str
     wall_s: float
-    commits: list[Any]
+    commits: CommitHistory | list[Any]  # streamed from RUN/commits.jsonl; [] with a remote coordinator
     steps_retried: int
     faults: list[dict[str, Any]]
     events: list[dict[str, Any]]
@@ -134,6 +135,7 @@ class _Run:
         self.own_task: asyncio.Future[Any] | None = None
         self._inj_task: asyncio.Future[Any] | None = None
         self.holder: CoordinatorHolder | None = None
+        self.commit_log: CommitLogWriter | None = None  # RUN/commits.jsonl, with the embedded coordinator
         self.progress = Progress(cfg.workers, cfg.total_steps, enabled=cfg.show_progress)
         # Only a coordinator restart reads the floor, and only a coordinator_kill restarts it: without
         # one, no file write (~0.1 ms) sits on the commit path.
@@ -174,8 +176,12 @@ class _Run:
             return cfg.coordinator
         host = self.net.coordinator_host if self.net is not None else "127.0.0.1"
         self._store = RendezvousStore(host)  # listens on host only; kept alive for the run
-        self._new_coordinator = _coordinator_factory(cfg, self.transport, self._store.address, self.on_event)
-        self.holder = CoordinatorHolder(self._new_coordinator(_resume_point(cfg) if cfg.resume else None, 0.0))
+        # every incarnation appends to one log; a resumed launch continues the earlier launch's
+        self.commit_log = CommitLogWriter(cfg.run_dir / COMMITS_FILE, append=cfg.resume)
+        self._new_coordinator = _coordinator_factory(cfg, self.transport, self._store.address, self.on_event,
+                                                     self.commit_log)
+        self.holder = CoordinatorHolder(self._new_coordinator(_resume_point(cfg) if cfg.resume else None, 0.0),
+                                        self.commit_log.history())
         self._first_mono = time.monotonic()
         self.address = await self.holder.current.start(f"{host}:0")
         return self.address
@@ -232,6 +238,8 @@ class _Run:
                            "step": c.step, "quorum_id": c.quorum_id, "reason": "recorded by a coordinator that "
                            "crashed before any worker acted on it; the step was committed again"})
         self.events_file.close()
+        if self.commit_log is not None:
+            self.commit_log.close()
 
     def result(self, ok: bool, reason: str) -> LaunchResult:
         records = sorted(self.timeline.records, key=lambda r: r.injected_s)
@@ -279,9 +287,11 @@ class DurableFloor:
 
 
 def _coordinator_factory(cfg: LaunchConfig, transport: TcpTransport, store_address: str,
-                         on_event: Callable[[dict[str, Any]], None]) -> Callable[[tuple[str, int] | None, float], Coordinator]:
+                         on_event: Callable[[dict[str, Any]], None],
+                         commit_log: CommitLogWriter) -> Callable[[tuple[str, int] | None, float], Coordinator]:
     """Makes coordinator incarnations. Each counts its events' ``t`` from its own start; ``shift_s``
-    (its start after the first's) moves them onto the first incarnation's time axis."""
+    (its start after the first's) moves them, and its commit records, onto the first incarnation's
+    time axis. Each appends its commits to the run's one log as the next incarnation."""
     # workers that join later are not waited for at the start (the first quorum would wait
     # initial_wait_s for them); cfg.workers stays the total
     expected = cfg.workers - len(cfg.fault_plan.joiners)
@@ -297,7 +307,7 @@ def _coordinator_factory(cfg: LaunchConfig, transport: TcpTransport, store_addre
             on_event(ev)
 
         return Coordinator(RealHost("coordinator", transport), ccfg, store_address,
-                           shifted if shift_s else on_event, resume)
+                           shifted if shift_s else on_event, resume, on_commit=commit_log.incarnation(shift_s))
 
     return make
 
@@ -380,12 +390,11 @@ def _resume_point(cfg: LaunchConfig) -> tuple[str, int]:
     return str(path), step
 
 
-def write_metrics(run_dir: Path, commits: list[Any], append: bool = False) -> None:
+def write_metrics(run_dir: Path, commits: Iterable[CommitRecord], append: bool = False) -> None:
+    """metrics.jsonl from a commit history, streamed (a CommitHistory is read from disk as it goes)."""
     with open(run_dir / "metrics.jsonl", "a" if append else "w") as f:
         for c in commits:
-            f.write(json.dumps({"step": c.step, "quorum_id": c.quorum_id, "members": list(c.members),
-                                "loss": c.loss, "step_s": c.step_s, "committed_at_s": c.committed_at_s,
-                                "samples_covered_once": c.covered_once}) + "\n")
+            f.write(json.dumps(commit_json(c)) + "\n")
 
 
 def python_argv(module: str, *args: str) -> list[str]:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from phalanx.faults.plan import Fault, FaultKind, FaultPlan
-from phalanx.membership.commit_log import CommitRecord, merge_commits
+from phalanx.membership.commit_log import CommitHistory, CommitRecord
 from phalanx.membership.coordinator import Coordinator
 from phalanx.faults.timeline import FaultRecord, FaultTimeline
 from phalanx.runtime.netns import KernelFaults
@@ -35,10 +35,11 @@ def split_plan(plan: FaultPlan, kernel: KernelFaults | None) -> tuple[FaultPlan,
 
 class CoordinatorHolder:
     """The live coordinator incarnation. The stall watch, progress, fault injector and the results
-    read it through here, so they follow a restart."""
+    read it through here, so they follow a restart. The commits of every incarnation are in the
+    run's commit log (each incarnation appends to it), read back merged from ``history``."""
 
-    def __init__(self, current: Coordinator, shift_s: float = 0.0) -> None:
-        self.current = current
+    def __init__(self, current: Coordinator, history: CommitHistory, shift_s: float = 0.0) -> None:
+        self.current, self.history = current, history
         self._incarnations: list[tuple[Coordinator, float]] = [(current, shift_s)]
 
     def replace(self, new: Coordinator, shift_s: float) -> None:
@@ -46,15 +47,12 @@ class CoordinatorHolder:
         self.current = new
         self._incarnations.append((new, shift_s))
 
-    def _merged(self) -> tuple[list[CommitRecord], list[CommitRecord]]:
-        return merge_commits([[dataclasses.replace(c, committed_at_s=round(c.committed_at_s + shift_s, 6))
-                               for c in coord.commits] for coord, shift_s in self._incarnations])
-
-    def commits(self) -> list[CommitRecord]:
-        return self._merged()[0]
+    def commits(self) -> CommitHistory:
+        """Every incarnation's commits, merged (streamed from the log, not held in memory)."""
+        return CommitHistory(self.history.path, self.history.first_incarnation)  # no length cached mid-run
 
     def superseded(self) -> list[CommitRecord]:
-        return self._merged()[1]
+        return self.history.superseded()
 
     @property
     def steps_retried(self) -> int:

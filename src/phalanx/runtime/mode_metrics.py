@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +21,33 @@ EVAL_SAMPLES = 256
 SMOOTH_STEPS = 10
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of a JSON-lines file, one at a time (none if it does not exist)."""
     if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        return
+    with open(path) as f:
+        for x in f:
+            if x.strip():
+                yield json.loads(x)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return list(iter_jsonl(path))
 
 
 def progress_timeline(run_dir: Path, mode: str, global_batch_size: int) -> tuple[list[float], list[float], int]:
     """(times_s from the first commit, losses, samples trained) of the run's progress."""
     if mode != "local-sgd":
-        commits = read_jsonl(run_dir / "metrics.jsonl")
-        if not commits:
-            return [], [], 0
-        t0 = commits[0]["committed_at_s"] - commits[0]["step_s"]
-        return ([c["committed_at_s"] - t0 for c in commits], [c["loss"] for c in commits],
-                len(commits) * global_batch_size)
+        # streamed: two floats per commit are kept, not the records
+        times: list[float] = []
+        losses: list[float] = []
+        t0 = 0.0
+        for c in iter_jsonl(run_dir / "metrics.jsonl"):
+            if not times:
+                t0 = c["committed_at_s"] - c["step_s"]
+            times.append(c["committed_at_s"] - t0)
+            losses.append(c["loss"])
+        return times, losses, len(times) * global_batch_size
     events = []
     for p in sorted((run_dir / "workers").glob("w*.jsonl")):
         events += [e for e in read_jsonl(p) if e.get("event") in ("local_step", "merged")]

@@ -21,7 +21,7 @@ MARKER = ".phalanx-run"
 # what a run writes at its top level, and the folders it owns
 RUN_FILES = ("events.jsonl", "metrics.jsonl", "reference.jsonl", "metrics.superseded.jsonl", "summary.json",
              "coordinator_floor", "report.html", "trace.json", "network.json", "token", "compare_modes.json",
-             "compare_modes.md")
+             "compare_modes.md", "commits.jsonl")
 RUN_FOLDERS = ("workers", "checkpoints", "plots")
 
 

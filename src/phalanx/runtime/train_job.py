@@ -120,8 +120,8 @@ def _supersede_after_checkpoint(run_dir: Path) -> None:
 
 
 def summarise(opts: TrainOptions, res: LaunchResult) -> dict[str, Any]:
-    commits = _all_commits(opts.run_dir) if opts.resume else [
-        {"step": c.step, "samples_covered_once": c.covered_once, "loss": c.loss} for c in res.commits]
+    # (step, covered) per commit, streamed from the commit log (or, resumed, from every launch's metrics)
+    commits = _all_commits(opts.run_dir) if opts.resume else [(c.step, c.covered_once) for c in res.commits]
     local = opts.modes.mode is ConsistencyMode.LOCAL_SGD
     return {
         "ok": res.ok,
@@ -141,18 +141,17 @@ def summarise(opts: TrainOptions, res: LaunchResult) -> dict[str, Any]:
     }
 
 
-def _all_commits(run_dir: Path) -> list[dict[str, Any]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+def _all_commits(run_dir: Path) -> list[tuple[int, bool]]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [(c["step"], c["samples_covered_once"]) for c in (json.loads(x) for x in f if x.strip())]
 
 
-def samples_exactly_once(commits: list[dict[str, Any]], opts: TrainOptions) -> bool:
-    """The exactly-once tally (train/sharding.py) over this run's commits and dataset."""
+def samples_exactly_once(commits: list[tuple[int, bool]], opts: TrainOptions) -> bool:
+    """The exactly-once tally (train/sharding.py) over this run's (step, covered) commits and dataset."""
     from phalanx.workload.charlm_train import build
 
     _, data = build(seed=opts.seed, global_batch_size=opts.global_batch_size)
-    return sharding.samples_exactly_once([(c["step"], c["samples_covered_once"]) for c in commits], opts.steps,
-                                         len(data), opts.global_batch_size, opts.seed)
+    return sharding.samples_exactly_once(commits, opts.steps, len(data), opts.global_batch_size, opts.seed)
 
 
 def false_suspicions(res: LaunchResult) -> int:
