@@ -42,10 +42,13 @@ def test_a_worker_leaving_for_good_stops_a_fixed_world_but_not_the_elastic_quoru
 
 
 @pytest.mark.slow
-def test_latency_real_point_slows_the_step(tmp_path):
+def test_latency_real_point_slows_the_step_with_and_without_overlap(tmp_path):
     o = run_quick("latency", tmp_path, sim=False)
     real = o.data["real_point"]
-    assert real["slowdown"] is not None and real["slowdown"] > 1.0, real
+    assert set(real) == {"overlap", "no overlap"}
+    for r in real.values():
+        assert r["slowdown"] is not None and r["slowdown"] > 1.0, real
+    assert (tmp_path / "latency" / "jobs" / "real-5ms-no-overlap").is_dir()
 
 
 @pytest.mark.slow

@@ -1,8 +1,12 @@
-"""``latency``: weak-scaling efficiency against the number of workers as link latency grows.
+"""``latency``: weak-scaling efficiency against the number of workers as link latency grows, with
+compute/communication overlap on and off.
 
 The grid runs in the simulator (phalanx's coordinator and workers on simulated links whose
-latency is both the control-plane delay and the all-reduce's per-message term); one real point
-checks the direction on real processes: the same job before and after 5 ms is added to every link.
+latency is both the control-plane delay and the all-reduce's per-message term), twice: with
+``SimModelConfig.overlap`` (each of the gradient's buckets enters its all-reduce during the
+compute, as a real backward's hooks start them) and without (all of them after the compute). One
+real point checks the direction on real processes, also twice (``charlm_train`` with and without
+``--no-overlap``): the same job before and after 5 ms is added to every link.
 """
 
 from __future__ import annotations
@@ -16,123 +20,196 @@ from phalanx.lab.outcome import Outcome, new_figure, png
 from phalanx.sim.network import LinkModel
 from phalanx.sim.process_group import CollectiveModel
 from phalanx.sim.scenario import Scenario
+from phalanx.sim.workload import SimModelConfig
 
 LATENCIES_MS = (0.0, 1.0, 5.0, 20.0)
 STEP_COMPUTE_S = 0.05
 GRADIENT_BYTES = 10_000_000  # a 2.5M-parameter fp32 model's gradients
+GRAD_BUCKETS = 4  # the gradient travels in 4 buckets (then the small coverage tail), overlap on or off
 GRID_DEADLINE_S = 120.0
 DEFAULT_DEADLINE_S = 5.0  # CoordinatorConfig / Cluster default all-reduce deadline
+REAL_MIN_STEP_S = 0.05  # the real point's paced compute, as the simulator's
+REAL_LATENCY_MS = 5.0
+BUNDLED_GRADIENT_MB = 0.47  # the bundled char-LM: 116,576 fp32 parameters
+MODES = {True: "overlap", False: "no overlap"}
 QUESTION = ("How does the step time of data-parallel training scale with the number of workers as the link "
-            "latency grows from 0 to 20 ms: when does the network, not the compute, set the pace?")
+            "latency grows from 0 to 20 ms, with and without overlapping communication with compute: when does "
+            "the network, not the compute, set the pace?")
 
 
-def _sim_point(workers: int, latency_ms: float, steps: int, seed: int) -> JobRun:
+def _sim_point(workers: int, latency_ms: float, steps: int, seed: int, overlap: bool) -> JobRun:
     lat_s = latency_ms / 1000
     link = LinkModel(latency_s=max(lat_s, 0.0), jitter_s=0.0, distribution="constant")
     coll = CollectiveModel(alpha_s=20e-6 + lat_s)
     # the all-reduce deadline is sized to the grid: at 64 workers x 20 ms one all-reduce outlasts the
     # default 5 s, and with it no step would ever commit (the paragraph says where that happens)
     return run_sim(workers, steps, None, seed=seed, link=link, collective=coll, step_compute_s=STEP_COMPUTE_S,
-                   gradient_bytes=GRADIENT_BYTES, deadline_s=900.0, collective_timeout_s=GRID_DEADLINE_S)
+                   gradient_bytes=GRADIENT_BYTES, deadline_s=900.0, collective_timeout_s=GRID_DEADLINE_S,
+                   model_cfg=SimModelConfig(grad_buckets=GRAD_BUCKETS, overlap=overlap))
 
 
 def grid(ctx: LabContext) -> dict[str, Any]:
     sizes = (1, 2, 4, 8, 16) if ctx.quick else (1, 2, 4, 8, 16, 32, 64)
     steps = 12 if ctx.quick else 30
-    base = _sim_point(1, 0.0, steps, ctx.seed).median_step_s() or STEP_COMPUTE_S
+    base = _sim_point(1, 0.0, steps, ctx.seed, False).median_step_s() or STEP_COMPUTE_S
     cells = []
     for lat in LATENCIES_MS:
-        ctx.say(f"simulating {', '.join(map(str, sizes))} workers at {lat:g} ms ...")
+        ctx.say(f"simulating {', '.join(map(str, sizes))} workers at {lat:g} ms, overlap off and on ...")
         for n in sizes:
-            step = _sim_point(n, lat, steps, ctx.seed).median_step_s()
-            eff = base / step if step else None
-            cells.append({"latency_ms": lat, "workers": n, "median_step_s": step,
-                          "efficiency": None if eff is None else round(eff, 4),
-                          # the best any compute/communication overlap could do: max(compute, communication)
-                          "overlap_bound": None if step is None else round(base / max(base, step - base), 4)})
-    return {"single_worker_step_s": base, "sizes": list(sizes), "cells": cells}
+            cell: dict[str, Any] = {"latency_ms": lat, "workers": n}
+            for overlap, mode in MODES.items():
+                step = _sim_point(n, lat, steps, ctx.seed, overlap).median_step_s()
+                cell[mode] = {"median_step_s": step, "efficiency": round(base / step, 4) if step else None}
+            cells.append(cell)
+    return {"single_worker_step_s": base, "sizes": list(sizes), "grad_buckets": GRAD_BUCKETS, "cells": cells}
+
+
+def _real_job(ctx: LabContext, overlap: bool, steps: int, at_step: int) -> dict[str, Any]:
+    def faults(sc: Scenario) -> Scenario:
+        return sc.latency(mean_ms=REAL_LATENCY_MS, at_step=at_step)
+
+    ctx.say(f"real point, {MODES[overlap]}: 2 worker processes, {REAL_LATENCY_MS:g} ms added to every link "
+            "halfway ...")
+    job = run_real(ctx.sub(f"real-{REAL_LATENCY_MS:g}ms-{'overlap' if overlap else 'no-overlap'}"), 2, steps, faults,
+                   seed=ctx.seed, min_step_s=REAL_MIN_STEP_S, max_wall_s=120.0, overlap=overlap)
+    inj = job.injected_at_s()
+    t_inj = inj[0] if inj else float("inf")
+    times = job.commit_times_s()
+    b = _median([y - x for x, y in zip(times, times[1:]) if y < t_inj])
+    a = _median([y - x for x, y in zip(times, times[1:]) if x > t_inj])
+    return {"ok": job.ok, "reason": job.reason, "median_step_before_s": b, "median_step_after_s": a,
+            "slowdown": a / b if a and b else None}
 
 
 def real_point(ctx: LabContext) -> dict[str, Any]:
     steps, at_step = (40, 20) if ctx.quick else (80, 40)
-
-    def faults(sc: Scenario) -> Scenario:
-        return sc.latency(mean_ms=5.0, at_step=at_step)
-
-    ctx.say("real point: 2 worker processes, 5 ms added to every link halfway ...")
-    job = run_real(ctx.sub("real-5ms"), 2, steps, faults, seed=ctx.seed, max_wall_s=120.0)
-    t = job.of("step_committed")
-    inj = job.injected_at_s()
-    t_inj = inj[0] if inj else float("inf")
-    times = [float(e["t"]) for e in t]
-    before = [b - a for a, b in zip(times, times[1:]) if b < t_inj]
-    after = [b - a for a, b in zip(times, times[1:]) if a > t_inj]
-    b, a = _median(before), _median(after)
-    return {"ok": job.ok, "reason": job.reason, "median_step_before_s": b, "median_step_after_s": a,
-            "slowdown": a / b if a and b else None}
+    return {MODES[ov]: _real_job(ctx, ov, steps, at_step) for ov in (True, False)}
 
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _cell(g: dict[str, Any], lat: float, n: int) -> dict[str, Any]:
+    return next(c for c in g["cells"] if c["latency_ms"] == lat and c["workers"] == n)
+
+
+def _eff(g: dict[str, Any], lat: float, n: int, mode: str) -> float:
+    return float(_cell(g, lat, n)[mode]["efficiency"] or 0.0)
+
+
+def _gain_s(g: dict[str, Any], lat: float, n: int) -> float:
+    """Step time overlap saved (no overlap minus overlap), measured."""
+    c = _cell(g, lat, n)
+    return float((c["no overlap"]["median_step_s"] or 0.0) - (c["overlap"]["median_step_s"] or 0.0))
+
+
+def sim_claim(g: dict[str, Any]) -> bool:
+    """Latency lowers efficiency with or without overlap (below 50% at 20 ms); overlap is never
+    slower, lifts the 0 ms efficiency by >= 5 points, and at 20 ms saves at most the compute it
+    can hide behind (a bucket cannot start before it is ready), a few percent of the step."""
+    big = max(g["sizes"])
+    falls = all(_eff(g, 20.0, big, m) < _eff(g, 0.0, big, m) and _eff(g, 20.0, big, m) < 0.5 for m in MODES.values())
+    never_slower = all(_gain_s(g, c["latency_ms"], c["workers"]) >= -1e-3 for c in g["cells"])
+    helps_at_0 = _eff(g, 0.0, big, "overlap") >= _eff(g, 0.0, big, "no overlap") + 0.05
+    bounded_at_20 = _gain_s(g, 20.0, big) <= STEP_COMPUTE_S + 1e-3
+    return falls and never_slower and helps_at_0 and bounded_at_20
+
+
+def _sim_paragraph(g: dict[str, Any]) -> str:
+    big = max(g["sizes"])
+    step0, step20 = (_cell(g, lat, big)["no overlap"]["median_step_s"] or 1.0 for lat in (0.0, 20.0))
+    return (f"One worker steps in {g['single_worker_step_s']:.3f} s. At {big} workers without overlap the efficiency "
+            "was " + ", ".join(f"{_eff(g, lat, big, 'no overlap'):.0%} at {lat:g} ms" for lat in LATENCIES_MS)
+            + "; with overlap (each of the gradient's " + f"{GRAD_BUCKETS} buckets enters its all-reduce as soon as "
+            "the compute has produced it) " + ", ".join(f"{_eff(g, lat, big, 'overlap'):.0%}" for lat in LATENCIES_MS)
+            + f". At 0 ms overlap saved {_gain_s(g, 0.0, big) * 1000:.1f} ms of a {step0:.3f} s step "
+            f"({_gain_s(g, 0.0, big) / step0:.0%}): the buckets' communication is shorter than the compute and hides "
+            f"behind it. At 20 ms it saved {_gain_s(g, 20.0, big) * 1000:.1f} ms of a {step20:.2f} s step "
+            f"({_gain_s(g, 20.0, big) / step20:.1%}): a ring all-reduce pays the link latency 2(N-1) times per "
+            "bucket, the communication outgrows the compute it could hide behind (overlap saves at most the "
+            f"{STEP_COMPUTE_S:g} s of compute), and the network, not the compute, sets the pace."
+            + _deadline_note(g["cells"]))
+
+
+def _real_paragraph(g: dict[str, Any], real: dict[str, Any]) -> str:
+    on, of = real["overlap"], real["no overlap"]
+    if not (on["slowdown"] and of["slowdown"]):
+        bad = on if not on["slowdown"] else of
+        return f" The real point did not complete: {bad['reason']}."
+    sim2 = {lat: _cell(g, lat, 2)["no overlap"]["median_step_s"] or 0.0 for lat in (0.0, REAL_LATENCY_MS)}
+    return (f" Real point, 2 worker processes paced to {REAL_MIN_STEP_S:g} s of compute: with overlap the median step "
+            f"went from {on['median_step_before_s']:.3f} s to {on['median_step_after_s']:.3f} s when "
+            f"{REAL_LATENCY_MS:g} ms was added to every link ({on['slowdown']:.2f}x), without overlap from "
+            f"{of['median_step_before_s']:.3f} s to {of['median_step_after_s']:.3f} s ({of['slowdown']:.2f}x); the "
+            f"simulator's 2-worker ratio without overlap was {sim2[REAL_LATENCY_MS] / (sim2[0.0] or 1):.2f}x. On "
+            "real processes a latency fault's delay is applied when the all-reduce is issued, after the step's "
+            "body (collectives/faulty.py queues collectives on degraded links), so overlap cannot hide injected "
+            "latency there. " + _loopback_note(on, of))
+
+
+def _loopback_note(on: dict[str, Any], of: dict[str, Any]) -> str:
+    """Before the fault, on loopback: what overlap hid of a real all-reduce of the bundled model."""
+    b_on, b_off = on["median_step_before_s"], of["median_step_before_s"]
+    saved = b_off - b_on
+    if abs(saved) < 0.05 * b_off:
+        return (f"Before the fault, on loopback, the two were within 5% of each other ({b_on:.3f} s with overlap, "
+                f"{b_off:.3f} s without): the bundled model's gradients ({BUNDLED_GRADIENT_MB} MB) are one bucket "
+                "whose all-reduce on loopback takes about a millisecond, so there was little to hide; the "
+                "simulator's 10 MB case is where overlap pays.")
+    return (f"Before the fault, on loopback, overlap {'saved' if saved > 0 else 'cost'} {abs(saved) * 1000:.1f} ms "
+            f"per step ({b_on:.3f} s with overlap, {b_off:.3f} s without).")
+
+
 def run(ctx: LabContext) -> Outcome:
     g = grid(ctx)
     real = None if ctx.sim else real_point(ctx)
-    cells = g["cells"]
-    rows = [[c["latency_ms"], c["workers"], c["median_step_s"], c["efficiency"], c["overlap_bound"]] for c in cells]
+    rows = [[c["latency_ms"], c["workers"], c["no overlap"]["median_step_s"], c["no overlap"]["efficiency"],
+             c["overlap"]["median_step_s"], c["overlap"]["efficiency"]] for c in g["cells"]]
+    para = _sim_paragraph(g) + ("" if real is None else _real_paragraph(g, real))
+    held = sim_claim(g) and (real is None or all(bool(r["slowdown"] and r["slowdown"] > 1.0) for r in real.values()))
     big = max(g["sizes"])
-    eff = {(c["latency_ms"], c["workers"]): c["efficiency"] or 0.0 for c in cells}
-    sim2 = {lat: next(c["median_step_s"] for c in cells if c["latency_ms"] == lat and c["workers"] == 2)
-            for lat in LATENCIES_MS}
-    bound = next(c["overlap_bound"] or 0.0 for c in cells if c["latency_ms"] == 20.0 and c["workers"] == big)
-    para = (f"One worker steps in {g['single_worker_step_s']:.3f} s. At {big} workers the efficiency was "
-            + ", ".join(f"{eff[(lat, big)]:.0%} at {lat:g} ms" for lat in LATENCIES_MS)
-            + ": a ring all-reduce pays the link latency 2(N-1) times per step, so at 20 ms the network, not the "
-              "compute, sets the pace. Perfect overlap of compute and communication could at best reach "
-            + f"{bound:.0%} there (a bound computed from the measured step, not a run: phalanx's step protocol "
-              "starts the all-reduce after the backward pass)." + _deadline_note(cells))
-    if real is not None:
-        sim_ratio = (sim2[5.0] or 0) / (sim2[0.0] or 1)
-        para += (f" Real point: 2 worker processes went from a median step of {real['median_step_before_s']:.3f} s to "
-                 f"{real['median_step_after_s']:.3f} s when 5 ms was added to every link "
-                 f"({real['slowdown']:.2f}x; the simulator's 2-worker ratio was {sim_ratio:.2f}x).") \
-            if real["slowdown"] else f" Real point did not complete: {real['reason']}."
-    held = eff[(20.0, big)] < eff[(0.0, big)] and eff[(20.0, big)] < 0.5 and (real is None or bool(
-        real["slowdown"] and real["slowdown"] > 1.0))
     return Outcome("latency", QUESTION,
-                   f"Simulator: N in {g['sizes']} workers x link latency {LATENCIES_MS} ms, {STEP_COMPUTE_S} s of "
-                   f"compute per worker per step (weak scaling), {GRADIENT_BYTES / 1e6:.0f} MB of gradients per "
-                   "all-reduce, 10 Gbit/s links; efficiency = one worker's step / N workers' step."
-                   + ("" if real is None else " Real: 2 local worker processes, 5 ms latency fault from halfway."),
-                   ["latency (ms)", "workers", "median step (s)", "efficiency", "perfect-overlap bound"], rows, para,
-                   f"efficiency at {big} workers falls with latency, below 50% at 20 ms; the real step slows "
-                   "when latency is added", held, {"grid": g, "real_point": real}, {"efficiency.png": _plot(g)})
+                   f"Simulator: N in {g['sizes']} workers x link latency {LATENCIES_MS} ms, overlap off and on, "
+                   f"{STEP_COMPUTE_S} s of compute per worker per step (weak scaling), "
+                   f"{GRADIENT_BYTES / 1e6:.0f} MB of gradients per step in {GRAD_BUCKETS} buckets, 10 Gbit/s links; "
+                   "efficiency = one worker's step / N workers' step."
+                   + ("" if real is None else f" Real: 2 local worker processes paced to {REAL_MIN_STEP_S:g} s per "
+                      f"step, a {REAL_LATENCY_MS:g} ms latency fault from halfway, with overlap and with "
+                      "--no-overlap."),
+                   ["latency (ms)", "workers", "step, no overlap (s)", "efficiency, no overlap",
+                    "step, overlap (s)", "efficiency, overlap"], rows, para,
+                   f"at {big} workers efficiency falls with latency, below 50% at 20 ms, with and without overlap; "
+                   "overlap is never slower, gains >= 5 points at 0 ms and at most the compute at 20 ms; the real "
+                   "step slows when latency is added, with and without overlap", held,
+                   {"grid": g, "real_point": real}, {"efficiency.png": _plot(g)})
 
 
 def _deadline_note(cells: list[dict[str, Any]]) -> str:
-    over = [c for c in cells if (c["median_step_s"] or 0.0) > DEFAULT_DEADLINE_S]
+    over = [c for c in cells if (c["no overlap"]["median_step_s"] or 0.0) > DEFAULT_DEADLINE_S]
     if not over:
         return ""
-    worst = max(over, key=lambda c: c["median_step_s"])
+    worst = max(over, key=lambda c: c["no overlap"]["median_step_s"])
     return (f" {len(over)} cell(s) step slower than the default {DEFAULT_DEADLINE_S:g} s all-reduce deadline (worst: "
-            f"{worst['workers']} workers at {worst['latency_ms']:g} ms, {worst['median_step_s']:.1f} s): with the "
-            f"default every all-reduce there would time out and no step would commit, so the grid runs with a "
-            f"{GRID_DEADLINE_S:g} s deadline. Deadlines must grow with N x latency.")
+            f"{worst['workers']} workers at {worst['latency_ms']:g} ms, {worst['no overlap']['median_step_s']:.1f} s): "
+            f"with the default every all-reduce there would time out and no step would commit, so the grid runs "
+            f"with a {GRID_DEADLINE_S:g} s deadline. Deadlines must grow with N x latency.")
 
 
 def _plot(g: dict[str, Any]) -> bytes:
     fig, ax = new_figure()
     for lat in LATENCIES_MS:
-        pts = [(c["workers"], c["efficiency"]) for c in g["cells"] if c["latency_ms"] == lat and c["efficiency"]]
-        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{lat:g} ms")[0]
-        bound = [(c["workers"], c["overlap_bound"]) for c in g["cells"]
-                 if c["latency_ms"] == lat and c["overlap_bound"]]
-        ax.plot([p[0] for p in bound], [p[1] for p in bound], ls=":", color=line.get_color(), lw=1)
+        cells = [c for c in g["cells"] if c["latency_ms"] == lat]
+        color = None
+        for mode, style in (("overlap", "-"), ("no overlap", "--")):
+            pts = [(c["workers"], c[mode]["efficiency"]) for c in cells if c[mode]["efficiency"]]
+            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=style, marker="o" if style == "-" else "x",
+                           color=color, label=f"{lat:g} ms, {mode}")[0]
+            color = line.get_color()
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("workers")
     ax.set_ylabel("scaling efficiency")
-    ax.set_title("efficiency vs workers by link latency (dotted: perfect-overlap bound)")
-    ax.legend(title="link latency")
+    ax.set_title("efficiency vs workers by link latency (solid: overlap, dashed: no overlap; both measured)")
+    ax.legend(title="link latency", fontsize=7, ncol=2)
     return png(fig)
