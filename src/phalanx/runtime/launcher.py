@@ -65,6 +65,7 @@ class LaunchConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     show_progress: bool = True
     network: str = "loopback"  # or "namespaces": one network namespace per worker (root only)
+    commits_kept: int = CoordinatorConfig.commits_kept  # in memory; every commit is in RUN/commits.jsonl
 
 
 @dataclass
@@ -299,7 +300,7 @@ def _coordinator_factory(cfg: LaunchConfig, transport: TcpTransport, store_addre
                              quorum=QuorumConfig(min_workers=cfg.min_workers, expected_workers=expected),
                              collective_timeout_s=cfg.collective_timeout_s,
                              checkpoint_every_steps=cfg.checkpoint_every_steps, run_dir=str(cfg.run_dir),
-                             run_id=cfg.run_dir.name, modes=cfg.modes)
+                             run_id=cfg.run_dir.name, modes=cfg.modes, commits_kept=cfg.commits_kept)
 
     def make(resume: tuple[str, int] | None, shift_s: float) -> Coordinator:
         def shifted(ev: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ class TrainOptions:
     modes: ModeConfig = ModeConfig()  # consistency mode (core.modes): strict, available, local-sgd
     report: bool = True  # write report.html and trace.json into the run folder at the end
     network: str = "loopback"  # or "namespaces": each worker in its own network namespace (root only)
+    commits_kept: int = 4096  # commit records the coordinator keeps in memory (all are in RUN/commits.jsonl)
 
 
 def run_train(opts: TrainOptions) -> dict[str, Any]:
@@ -54,7 +55,7 @@ def run_train(opts: TrainOptions) -> dict[str, Any]:
                               restart_failed=True, resume=opts.resume, total_steps=opts.steps,
                               checkpoint_every_steps=opts.checkpoint_every_steps, data_seed=opts.seed,
                               show_progress=opts.show_progress, modes=opts.modes,
-                              network=opts.network))
+                              network=opts.network, commits_kept=opts.commits_kept))
     write_metrics(opts.run_dir, res.commits, append=opts.resume)
     summary = summarise(opts, res)
     ref = None
