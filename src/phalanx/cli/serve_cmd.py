@@ -25,7 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
         from phalanx.serve.demo import run_demo
 
         return run_demo(Path(args.demo), checkpoint=args.checkpoint, duration_s=args.demo_duration)
-    ckpt = find_checkpoint(args.checkpoint)  # NoCheckpoint says to run `phalanx train` first
+    ckpt = find_checkpoint(args.checkpoint or args.follow)  # NoCheckpoint says to run `phalanx train` first
     faults = None
     if args.fault_plan:
         from phalanx.serve.serving_faults import load_serving_faults
@@ -40,6 +40,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_with(args: argparse.Namespace, ckpt: Any, faults: Any, token_file: Any) -> int:
+    from pathlib import Path
+
     from phalanx.core.auth import read_token_file
     from phalanx.serve.cluster import router_config, serve_forever, spawn_replicas, stop_replicas
 
@@ -48,8 +50,9 @@ def _serve_with(args: argparse.Namespace, ckpt: Any, faults: Any, token_file: An
     reps = spawn_replicas(args.replicas, ["--checkpoint", str(ckpt), "--batch-size-max", str(args.batch_size_max),
                                           "--queue-depth-max", str(args.queue_depth_max)], token_file)
     try:
-        serve_forever(reps, router_config(args.policy, args.hedging, args.active_requests_max), args.port, token_file,
-                      api_key=args.api_key or None, faults=faults)
+        serve_forever(reps, router_config(args.policy, args.hedging, args.active_requests_max, args.consistency),
+                      args.port, token_file, api_key=args.api_key or None, faults=faults,
+                      follow=Path(args.follow) if args.follow else None, host=args.host)
     finally:
         stop_replicas(reps)
     return 0
@@ -98,7 +101,68 @@ def register(sub: Any) -> None:
     s.add_argument("--demo-duration", type=float, default=20.0, help="seconds of load in the demo")
     s.add_argument("--batch-size-max", type=int, default=32)
     s.add_argument("--queue-depth-max", type=int, default=64)
+    s.add_argument("--follow", default=None, metavar="RUN_DIR", help="roll out each new committed checkpoint of this "
+                   "(still training) run, one replica at a time")
+    s.add_argument("--consistency", default="consistent", choices=["consistent", "available"],
+                   help="during a rollout: a session (user field or X-Session-Id) never sees an older version after "
+                   "a newer one (consistent), or any healthy replica serves (available)")
+    s.add_argument("--host", default="127.0.0.1", help="the router's listen address (loopback unless told otherwise)")
     s.set_defaults(fn=_serve)
+    ssub = s.add_subparsers(dest="serve_action", metavar="{rollout,replica}")
+    ro = ssub.add_parser("rollout", help="swap a running `phalanx serve`'s replicas to a checkpoint, one at a time")
+    ro.add_argument("--checkpoint", required=True, help="checkpoint folder or run directory (its latest checkpoint)")
+    ro.add_argument("--router", default="http://127.0.0.1:8000", help="the router (URL or HOST:PORT)")
+    ro.add_argument("--token-file", default=os.environ.get("PHALANX_TOKEN_FILE"),
+                    help="the serving run's cluster token (printed by `phalanx serve`; default $PHALANX_TOKEN_FILE)")
+    ro.add_argument("--timeout-s", type=float, default=600.0)
+    ro.set_defaults(fn=_rollout)
+    rj = ssub.add_parser("replica", help="start one replica that joins a running router (another machine)")
+    rj.add_argument("--join", required=True, metavar="HOST:PORT", help="the router to register with")
+    rj.add_argument("--token-file", default=os.environ.get("PHALANX_TOKEN_FILE"), help="the cluster token")
+    rj.add_argument("--checkpoint", default=None, help="run directory or checkpoint (default: latest runs/train-*)")
+    rj.add_argument("--random-weights", type=int, default=None, metavar="SEED", help="serve untrained weights")
+    rj.add_argument("--host", default="127.0.0.1", help="listen address (loopback unless told otherwise)")
+    rj.add_argument("--port", type=int, default=0)
+    rj.add_argument("--advertise-host", default=None, help="address the router reaches this replica at")
+    rj.add_argument("--replica-id", default=None, help="its name at the router (default HOSTNAME-PORT)")
+    rj.add_argument("--batch-size-max", type=int, default=32)
+    rj.add_argument("--queue-depth-max", type=int, default=64)
+    rj.set_defaults(fn=_replica)
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from phalanx.core.auth import read_token_file
+    from phalanx.core.errors import ConfigError
+    from phalanx.serve.admin_client import request_rollout
+
+    if not args.token_file:
+        raise ConfigError("rollout is signed with the serving run's cluster token: pass --token-file F "
+                          "(`phalanx serve` prints it) or set PHALANX_TOKEN_FILE")
+    status, report = request_rollout(args.router, read_token_file(args.token_file), args.checkpoint, args.timeout_s)
+    for step in report.get("steps", []):
+        print(f"  {step.get('replica')}: " + (f"skipped ({step['skipped']})" if "skipped" in step else
+                                              f"{step['version']} in {step['took_s']} s" if step.get("ok") else
+                                              f"FAILED: {step.get('error')}"))
+    if status == 200 and report.get("ok"):
+        print(f"phalanx serve rollout: every replica serves {report['version']} ({report['took_s']} s)")
+        return 0
+    err = report.get("error")
+    print(f"phalanx serve rollout: failed (HTTP {status}): {err.get('message') if isinstance(err, dict) else err}")
+    return 1
+
+
+def _replica(args: argparse.Namespace) -> int:
+    from phalanx.serve.replica_main import main as replica_main
+
+    argv = ["--join", args.join, "--host", args.host, "--port", str(args.port), "--batch-size-max",
+            str(args.batch_size_max), "--queue-depth-max", str(args.queue_depth_max)]
+    if args.token_file:
+        argv += ["--token-file", args.token_file]
+    for flag, v in (("--checkpoint", args.checkpoint), ("--random-weights", args.random_weights),
+                    ("--advertise-host", args.advertise_host), ("--replica-id", args.replica_id)):
+        if v is not None:
+            argv += [flag, str(v)]
+    return replica_main(argv)
     lt = sub.add_parser("loadtest", help="load an OpenAI-compatible endpoint; latency and TTFT percentiles")
     lt.add_argument("url")
     g = lt.add_mutually_exclusive_group()

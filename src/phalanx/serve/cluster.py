@@ -164,31 +164,43 @@ def spawn_router(replicas: dict[str, str], token_file: Path, policy: str = "p2c-
     raise ReplicaStartFailed(f"the router did not start (exit code {proc.poll()})")
 
 
-def bind_loopback(port: int) -> socket.socket:
+def bind_loopback(port: int, host: str = "127.0.0.1") -> socket.socket:
+    """Loopback unless ``host`` says otherwise (a router other machines' replicas join)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
+    sock.bind((host, port))
     return sock
 
 
-def router_config(policy: str, hedging: bool, active_requests_max: int = 256) -> RouterConfig:
+def router_config(policy: str, hedging: bool, active_requests_max: int = 256,
+                  consistency: str = "consistent") -> RouterConfig:
     from phalanx.serve.routing_policy import Policy, PolicyConfig
+    from phalanx.serve.versions import Consistency
 
     return RouterConfig(policy=PolicyConfig(policy=Policy(policy)), hedging=hedging,
-                        active_requests_max=active_requests_max)
+                        active_requests_max=active_requests_max, consistency=Consistency(consistency))
 
 
 def serve_forever(replicas: list[ReplicaProcess], cfg: RouterConfig, port: int, token_file: Path,
-                  api_key: str | None = None, faults: list | None = None) -> None:  # type: ignore[type-arg]
+                  api_key: str | None = None, faults: list | None = None,  # type: ignore[type-arg]
+                  follow: Path | None = None, host: str = "127.0.0.1") -> None:
     router = Router({r.replica_id: r.url for r in replicas}, cfg, token=read_token_file(token_file))
-    sock = bind_loopback(port)
-    print(f"phalanx serve: {len(replicas)} replicas, router on http://127.0.0.1:{sock.getsockname()[1]}/v1 "
-          f"(policy {cfg.policy.policy.value}{', API key required' if api_key else ''})", flush=True)
+    sock = bind_loopback(port, host)
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    print(f"phalanx serve: {len(replicas)} replicas, router on {url}/v1 "
+          f"(policy {cfg.policy.policy.value}, {cfg.consistency.value}{', API key required' if api_key else ''})\n"
+          f"  roll out new weights: phalanx serve rollout --router {url} --token-file {token_file} --checkpoint NEW\n"
+          f"  add a replica:        phalanx serve replica --join {host}:{sock.getsockname()[1]} --token-file F",
+          flush=True)
 
     async def main() -> None:
         server = uvicorn.Server(uvicorn.Config(build_router_app(router, api_key), log_level="warning", lifespan="on",
                                                timeout_keep_alive=30, timeout_graceful_shutdown=5))
-        driver = None
+        driver = follower = None
+        if follow is not None:
+            from phalanx.serve.rollout import follow_run
+
+            follower = asyncio.create_task(follow_run(router, follow, log=lambda m: print(m, flush=True)))
         if faults:
             from phalanx.serve.fault_driver import run_fault_plan
 
@@ -197,7 +209,8 @@ def serve_forever(replicas: list[ReplicaProcess], cfg: RouterConfig, port: int, 
         try:
             await server.serve(sockets=[sock])
         finally:
-            if driver is not None:
-                driver.cancel()
+            for t in (driver, follower):
+                if t is not None:
+                    t.cancel()
 
     asyncio.run(main())

@@ -67,8 +67,9 @@ class ReplicaEngine:
         self.tokens_generated = 0
         self.slowdown_factor = cfg.slowdown_factor  # a straggler fault may change it while serving
         self.hung_until_s = 0.0  # a hang fault: the decode loop stands still (heartbeats still answer)
-        self.draining = False
-        self.step_time_s = 0.0  # EWMA of one decode step: the router's progress rule scales with it  # SIGTERM: no new requests; the running and waiting ones finish
+        self.draining = False  # SIGTERM: no new requests; the running and waiting ones finish
+        self.loading = False  # a rollout is swapping the weights: no new requests until the new ones are in
+        self.step_time_s = 0.0  # EWMA of one decode step: the router's progress rule scales with it
         self.last_progress_s = time.monotonic()  # heartbeat + progress for the router's failure detector
 
     # --- introspection -------------------------------------------------------------------------
@@ -93,6 +94,8 @@ class ReplicaEngine:
         resumed = list(resumed or [])
         if self.draining:
             raise Draining("replica is draining (shutting down); send the request to another replica")
+        if self.loading:
+            raise Draining("replica is loading new weights (rollout); send the request to another replica")
         if not prompt_ids:
             raise BadRequest("prompt is empty")
         if len(prompt_ids) + max(params.max_tokens, len(resumed)) > self.context:
@@ -112,6 +115,14 @@ class ReplicaEngine:
         """The client went away: free its slot at the next step (idempotent)."""
         gen.cancelled = True
         self._wake.set()
+
+    def swap_model(self, served: ServedModel) -> None:
+        """Serve new weights from the next request on (a rollout); only while idle, so no generation
+        ever mixes two versions' tokens and no KV-cache slot holds the old model's keys."""
+        assert self.is_idle and self.loading, "swap_model needs an idle engine with admission closed"
+        self.decoder = KvDecoder(served.model, self.cfg.batch_size_max)
+        self.served = served
+        self.context = self.decoder.context
 
     # --- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:

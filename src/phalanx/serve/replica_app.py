@@ -22,11 +22,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
+from phalanx.core.errors import PhalanxError
 from phalanx.serve.engine import Delta, Generation, ReplicaEngine
 from phalanx.serve.errors import BadRequest, ServeError
 from phalanx.serve.openai_request import CompletionRequest, parse_completion
 from phalanx.serve.replica_faults import EdgeFaults, NetworkFaultEdge, apply_fault
 from phalanx.serve.request_auth import RequireClusterToken
+from phalanx.serve.served_model import find_checkpoint, load_served_model
 
 BODY_BYTES_MAX = 1 << 20
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -87,8 +89,13 @@ class ReplicaHttp:
         self.edge = EdgeFaults()
         self.model_name = model_name
         self.metrics = ReplicaMetrics()
+        self.device = str(engine.served.model.tok.weight.device)
         self.created = int(time.time())
-        self.version = engine.served.version
+        self.load_lock = asyncio.Lock()
+
+    @property
+    def version(self) -> str:
+        return self.engine.served.version  # changes when a rollout swaps the weights
 
     async def completions(self, request: Request) -> Response:
         return await self._complete(request, chat=False)
@@ -183,7 +190,8 @@ class ReplicaHttp:
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "phalanx", "version": self.version}]})
 
     async def health(self, _: Request) -> Response:
-        return JSONResponse({"ok": not self.engine.draining, "draining": self.engine.draining, "version": self.version,
+        return JSONResponse({"ok": not (self.engine.draining or self.engine.loading), "draining": self.engine.draining,
+                             "loading": self.engine.loading, "version": self.version,
                              "steps": self.engine.steps, "step_time_s": round(self.engine.step_time_s, 6), "queue_depth": self.engine.queue_depth,
                              "batch_size": self.engine.batch_size})
 
@@ -194,6 +202,43 @@ class ReplicaHttp:
         except ServeError as e:
             return serve_error_response(e)
         return JSONResponse({"applied": done})
+
+    async def load(self, request: Request) -> Response:
+        """A rollout swaps the weights (authenticated like every replica route): admission closes, the
+        running generations finish (bounded), the checkpoint is read and verified (SHA-256, shapes,
+        vocabulary) off the event loop, and only then replaces the old weights; on any error the old
+        weights keep serving and the answer says why."""
+        try:
+            body = await read_json_body(request)
+            if not isinstance(body, dict) or not isinstance(body.get("checkpoint"), str):
+                raise BadRequest("body must be {\"checkpoint\": PATH, \"drain_timeout_s\": S}", param="checkpoint")
+            drain_timeout_s = float(body.get("drain_timeout_s", 30.0))
+        except (ServeError, TypeError, ValueError) as e:
+            return serve_error_response(e if isinstance(e, ServeError) else BadRequest(str(e)))
+        if self.load_lock.locked() or self.engine.draining:
+            return error_response(409, "a load is already running or the replica is shutting down", "invalid_request_error",
+                                  "busy")
+        async with self.load_lock:
+            self.engine.loading = True
+            try:
+                deadline_s = time.monotonic() + drain_timeout_s
+                while not self.engine.is_idle and time.monotonic() < deadline_s:  # bounded by the deadline
+                    await asyncio.sleep(0.01)
+                if not self.engine.is_idle:
+                    return error_response(409, f"still busy after {drain_timeout_s:g} s; weights unchanged",
+                                          "invalid_request_error", "busy")
+                before = self.version
+                try:  # a run directory resolves to its latest committed checkpoint, named in the answer so the
+                    # router loads that very one on the other replicas while training writes newer ones
+                    ckpt = find_checkpoint(body["checkpoint"])
+                    served = await asyncio.to_thread(load_served_model, ckpt, self.device)
+                except (PhalanxError, KeyError, ValueError, RuntimeError, OSError) as e:  # the file's fault, not ours
+                    return error_response(422, f"{e}; still serving {before}", "invalid_request_error", "bad_checkpoint",
+                                          "checkpoint")
+                self.engine.swap_model(served)
+                return JSONResponse({"version": self.version, "previous": before, "checkpoint": str(ckpt)})
+            finally:
+                self.engine.loading = False
 
     async def ready(self, _: Request) -> Response:
         ok = self.engine.queue_depth < self.engine.cfg.queue_depth_max
@@ -232,6 +277,7 @@ def build_replica_app(engine: ReplicaEngine, model_name: str = "phalanx-charlm",
         middleware.append(Middleware(RequireClusterToken, token=token, body_bytes_max=BODY_BYTES_MAX))
     return Starlette(middleware=middleware, routes=[
         Route("/phalanx/fault", h.fault, methods=["POST"]),
+        Route("/phalanx/load", h.load, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat_completions, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),

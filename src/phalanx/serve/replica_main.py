@@ -23,6 +23,7 @@ import uvicorn
 
 from phalanx.core.auth import read_token_file
 from phalanx.core.errors import ConfigError, PhalanxError
+from phalanx.serve.admin_client import default_replica_id, join_router
 from phalanx.serve.engine import EngineConfig, ReplicaEngine
 from phalanx.serve.replica_app import build_replica_app
 from phalanx.serve.served_model import load_served_model, random_model
@@ -47,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drain-timeout-s", type=float, default=30.0)
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level")
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the process that started it dies")
+    ap.add_argument("--join", default=None, metavar="HOST:PORT", help="register with this running router (its "
+                    "admin route, signed with the cluster token); it routes here once this replica answers healthy")
+    ap.add_argument("--replica-id", default=None, help="name at the router (default: HOSTNAME-PORT)")
+    ap.add_argument("--advertise-host", default=None, help="address the router reaches this replica at "
+                    "(default: --host, or this machine's name when --host is 0.0.0.0)")
     return ap
 
 
@@ -100,6 +106,17 @@ async def serve(args: argparse.Namespace) -> None:
         print(f"{READY_LINE} {sock.getsockname()[1]} {served.version}", flush=True)
     if args.exit_with_parent:
         asyncio.create_task(_exit_with_parent(server, os.getppid()))
+    if args.join and server.started:
+        port = sock.getsockname()[1]
+        host = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host)
+        rid = args.replica_id or default_replica_id(port)
+        try:
+            joined = await join_router(args.join, token, rid, f"http://{host}:{port}")
+        except PhalanxError:
+            server.should_exit = True
+            await task
+            raise
+        print(f"PHALANX_REPLICA_JOINED {rid} {joined.get('members')}", flush=True)
     await task
 
 

@@ -163,3 +163,22 @@ class RequireApiKey:
                                              "(the openai client's api_key)", "invalid_api_key")
                 return
         await self.app(scope, receive, send)
+
+
+class ClusterTokenOnAdmin:
+    """ASGI middleware on the router's public port: admin routes (``/phalanx/...``: rollout, join) demand
+    a request signed with the cluster token, exactly as replicas do; a router without a token refuses them."""
+
+    ADMIN_PREFIX = "/phalanx/"
+
+    def __init__(self, app: Asgi, token: bytes | None, body_bytes_max: int) -> None:
+        self.app = app
+        self.guard = RequireClusterToken(app, token, body_bytes_max) if token is not None else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.ADMIN_PREFIX):
+            await self.app(scope, receive, send)
+        elif self.guard is None:
+            await _send_error(send, 403, "this router has no cluster token: admin routes are off", "admin_disabled")
+        else:
+            await self.guard(scope, receive, send)

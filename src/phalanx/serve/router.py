@@ -28,6 +28,9 @@ from phalanx.serve.replica_app import LATENCY_BUCKETS_S
 from phalanx.serve.request_auth import ClusterTokenAuth
 from phalanx.serve.routing_policy import (PolicyConfig, ReplicaStats, RollingLatency, after_failure, backoff_s,
                                           choose_replica, hedge_delay_s, latency_outliers, may_hedge, may_retry)
+from phalanx.serve.versions import Consistency, ReplicaVersion, SessionVersions, VersionBook, excluded_for
+
+VERSION_HEADER = "x-phalanx-model-version"
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class RouterConfig:
     stall_s: float = 1.0  # a stream that sends nothing for this long is resumed elsewhere
     request_timeout_s: float = 60.0
     hedging: bool = False
+    consistency: Consistency = Consistency.CONSISTENT  # during a rollout: no version regression per session
+    version_wait_s: float = 2.0  # a request held back by a rollout (no replica at its session's version) waits
+    # this long for one, then gets 503 with Retry-After
 
 
 @dataclass
@@ -57,6 +63,8 @@ class ReplicaState:
     busy: bool = False
     ever_healthy: bool = False
     step_time_s: float = 0.0
+    version: str = ""  # the weights it serves (its /health, or the answer to a rollout's load)
+    admitting: bool = True  # False while a rollout drains and reloads it
 
 
 class AttemptFailed(Exception):
@@ -66,6 +74,11 @@ class AttemptFailed(Exception):
     def __init__(self, message: str, replica_gone: bool = False) -> None:
         super().__init__(message)
         self.replica_gone = replica_gone
+
+
+class VersionHeldBack(AttemptFailed):
+    """Healthy replicas exist, but none this request may use now (a rollout drains it, or the session has
+    seen a newer version than they serve): wait briefly, then 503 with Retry-After."""
 
 
 @dataclass
@@ -86,6 +99,12 @@ class RouterMetrics:
         self.rejected = Counter("phalanx_router_rejected", "429s from admission control", registry=r)
         self.outstanding = Gauge("phalanx_router_outstanding", "requests in flight", ["replica"], registry=r)
         self.healthy = Gauge("phalanx_router_replica_healthy", "1 when in rotation", ["replica"], registry=r)
+        self.version_waits = Counter("phalanx_router_version_waits", "requests delayed by a rollout (held back "
+                                     "until a replica at their session's version admitted them)", registry=r)
+        self.version_refusals = Counter("phalanx_router_version_refusals", "requests answered 503 because no "
+                                        "replica at their session's version admitted them in time", registry=r)
+        self.version_rank = Gauge("phalanx_router_replica_version_rank", "rank of the version a replica serves",
+                                  ["replica"], registry=r)
 
 
 class Router:
@@ -102,6 +121,10 @@ class Router:
         self.history = RollingLatency()
         self.metrics = RouterMetrics()
         self.events: list[dict[str, Any]] = []  # membership changes with reasons (bounded)
+        self.book = VersionBook()
+        self.sessions = SessionVersions()
+        self.token = token
+        self.rollout_lock = asyncio.Lock()  # one rollout at a time
         # every request to a replica is signed with the cluster token (replicas refuse anything else)
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
                                         auth=ClusterTokenAuth(token) if token is not None else None)
@@ -126,8 +149,11 @@ class Router:
             h = resp.json()
             steps, busy = int(h["steps"]), int(h["batch_size"]) + int(h.get("queue_depth", 0)) > 0
             step_time_s = float(h.get("step_time_s", 0.0))
-            if resp.status_code != 200 or h.get("draining"):
-                raise ValueError("draining" if h.get("draining") else f"HTTP {resp.status_code}")
+            if isinstance(h.get("version"), str) and h["version"] != r.version:
+                r.version = h["version"]
+                self.book.learn(r.version)
+            if resp.status_code != 200 or h.get("draining") or h.get("loading"):
+                raise ValueError("draining" if h.get("draining") or h.get("loading") else f"HTTP {resp.status_code}")
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             r.good_polls = 0
             if isinstance(e, httpx.ConnectError):
@@ -155,6 +181,7 @@ class Router:
             if was != r.stats.healthy:
                 self._event(replica=rid, healthy=r.stats.healthy, reason=suspects.get(rid, "heartbeats and progress"))
             self.metrics.healthy.labels(rid).set(1 if r.stats.healthy else 0)
+            self.metrics.version_rank.labels(rid).set(self.book.rank(r.version))
         for s, why in latency_outliers(now, self.stats(), self.cfg.policy):
             s.ejected_until_s = now + self.cfg.policy.ejection_s
             self.metrics.ejections.labels(s.replica_id, "latency").inc()
@@ -168,14 +195,55 @@ class Router:
             self._event(replica=r.stats.replica_id, healthy=False, reason=reason)
 
     # --- choosing ------------------------------------------------------------------------------
-    def _choose(self, exclude: frozenset[str]) -> ReplicaState:
-        picked, _ = choose_replica(time.monotonic(), self.stats(), self.cfg.policy, self.rng, self.rr, exclude)
+    def _choose(self, exclude: frozenset[str], session: str | None = None, pinned: str | None = None) -> ReplicaState:
+        """``exclude``: replicas already tried (a preference); the rollout's and the session's version
+        constraints (``versions.excluded_for``) are hard."""
+        now = time.monotonic()
+        hard, why = excluded_for([ReplicaVersion(rid, r.version, self.book.rank(r.version), r.admitting)
+                                  for rid, r in self.replicas.items()], self.cfg.consistency,
+                                 self.sessions.floor(session), pinned)
+        picked, _ = choose_replica(now, self.stats(), self.cfg.policy, self.rng, self.rr, exclude | hard)
         self.rr += 1
+        if picked is None and exclude:
+            picked, _ = choose_replica(now, self.stats(), self.cfg.policy, self.rng, self.rr, hard)
         if picked is None:
-            picked, _ = choose_replica(time.monotonic(), self.stats(), self.cfg.policy, self.rng, self.rr)
-        if picked is None:
+            if hard and choose_replica(now, self.stats(), self.cfg.policy, self.rng, self.rr)[0] is not None:
+                raise VersionHeldBack(f"no replica may serve this request now ({why})")
             raise AttemptFailed("no healthy replica")
         return self.replicas[picked.replica_id]
+
+    async def _choose_waiting(self, exclude: frozenset[str], session: str | None = None, pinned: str | None = None
+                              ) -> ReplicaState:
+        """``_choose``, waiting up to ``version_wait_s`` while a rollout holds the request back."""
+        deadline_s = time.monotonic() + self.cfg.version_wait_s
+        waited = False
+        while True:  # bounded by the deadline
+            try:
+                r = self._choose(exclude, session, pinned)
+            except VersionHeldBack:
+                if time.monotonic() >= deadline_s:
+                    self.metrics.version_refusals.inc()
+                    raise
+                waited = True
+                await asyncio.sleep(0.02)
+                continue
+            if waited:
+                self.metrics.version_waits.inc()
+            return r
+
+    def observe_version(self, session: str | None, version: str | None) -> None:
+        if session is not None and version:
+            self.sessions.observe(session, self.book.rank(version))
+
+    def add_replica(self, replica_id: str, url: str) -> bool:
+        """A replica that joined (``phalanx serve replica --join``): polled from now on, admitted once it
+        answers healthy. Returns False when this id is already a member (at that URL: a repeated join)."""
+        if replica_id in self.replicas:
+            return self.replicas[replica_id].url == url
+        self.replicas[replica_id] = ReplicaState(ReplicaStats(replica_id), url)
+        self.replicas = dict(sorted(self.replicas.items()))
+        self._event(replica=replica_id, joined=url)
+        return True
 
     def _failed(self, r: ReplicaState, e: BaseException) -> None:
         if isinstance(e, httpx.ConnectError):
@@ -187,7 +255,7 @@ class Router:
             self._event(replica=r.stats.replica_id, ejected=True, reason=why)
 
     # --- unary ---------------------------------------------------------------------------------
-    async def _attempt(self, r: ReplicaState, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async def _attempt(self, r: ReplicaState, path: str, body: dict[str, Any]) -> tuple[int, Any, str]:
         r.stats.outstanding += 1
         t0 = time.monotonic()
         r.stats.inflight_since_s.append(t0)
@@ -208,9 +276,9 @@ class Router:
             raise AttemptFailed(f"{r.stats.replica_id}: HTTP {resp.status_code}", draining)
         if resp.status_code == 200:
             r.stats.observe(time.monotonic() - t0, self.cfg.policy.ewma_alpha)
-        return resp.status_code, payload
+        return resp.status_code, payload, resp.headers.get(VERSION_HEADER, r.version)
 
-    async def unary(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async def unary(self, path: str, body: dict[str, Any], session: str | None = None) -> tuple[int, Any, str]:
         tried: set[str] = set()
         last, gone = "no attempt", False
         for attempt in range(self.cfg.attempts_max):
@@ -221,7 +289,10 @@ class Router:
                     break
                 await asyncio.sleep(backoff_s(attempt, self.rng))
             try:
-                r = self._choose(frozenset(tried))
+                r = await self._choose_waiting(frozenset(tried), session)
+            except VersionHeldBack as e:
+                return 503, {"error": {"message": f"{e}; retry shortly", "type": "server_error", "param": None,
+                                       "code": "version_unavailable"}}, ""
             except AttemptFailed as e:
                 last, gone = str(e), True
                 await asyncio.sleep(0.05)
@@ -231,16 +302,20 @@ class Router:
                 self.retries_in_flight += 1
                 self.metrics.retries.labels(r.stats.replica_id).inc()
             try:
-                return await self._hedged(r, path, body, tried)
+                status, payload, version = await self._hedged(r, path, body, tried, session)
+                if status == 200:
+                    self.observe_version(session, version)
+                return status, payload, version
             except AttemptFailed as e:
                 last, gone = str(e), e.replica_gone
             finally:
                 if attempt:
                     self.retries_in_flight -= 1
         return 503, {"error": {"message": f"no replica could serve the request ({last})", "type": "server_error",
-                               "param": None, "code": "replicas_unavailable"}}
+                               "param": None, "code": "replicas_unavailable"}}, ""
 
-    async def _hedged(self, r: ReplicaState, path: str, body: dict[str, Any], tried: set[str]) -> tuple[int, Any]:
+    async def _hedged(self, r: ReplicaState, path: str, body: dict[str, Any], tried: set[str], session: str | None
+                      ) -> tuple[int, Any, str]:
         primary = asyncio.ensure_future(self._attempt(r, path, body))
         tasks = {primary}
         owner = {primary: r}
@@ -250,7 +325,7 @@ class Router:
                 done, _ = await asyncio.wait(tasks, timeout=delay)
                 if not done and may_hedge(self.requests_total, self.hedges_total, self.cfg.policy)[0]:
                     with contextlib.suppress(AttemptFailed):
-                        other = self._choose(frozenset(tried))
+                        other = self._choose(frozenset(tried), session)
                         if other is not r:
                             tried.add(other.stats.replica_id)
                             self.hedges_total += 1
@@ -279,9 +354,9 @@ class Router:
                 t.cancel()  # closes the loser's connection; its replica cancels the generation
 
     # --- streaming -----------------------------------------------------------------------------
-    async def open_stream(self, path: str, body: dict[str, Any], exclude: frozenset[str]
-                          ) -> tuple[ReplicaState, httpx.Response]:
-        r = self._choose(exclude)
+    async def open_stream(self, path: str, body: dict[str, Any], exclude: frozenset[str], session: str | None = None,
+                          pinned: str | None = None) -> tuple[ReplicaState, httpx.Response]:
+        r = await self._choose_waiting(exclude, session, pinned)
         r.stats.outstanding += 1
         try:
             req = self.client.build_request("POST", r.url + path, json=body, timeout=httpx.Timeout(
@@ -301,6 +376,7 @@ class Router:
         sent_any = False
         current: tuple[ReplicaState, httpx.Response] | None = first
         tried = {first[0].stats.replica_id}
+        pinned = first[1].headers.get(VERSION_HEADER) or first[0].version  # a resumed stream stays on these weights
         finished = False
         base = 0  # characters streamed before the current replica took over
         opened_s = t0  # when the current replica's attempt was opened
@@ -311,7 +387,7 @@ class Router:
                         resumed = dict(body, phalanx_resume_text=text)
                         base = len(text)
                         opened_s = time.monotonic()
-                        current = await self.open_stream(path, resumed, frozenset(tried))
+                        current = await self.open_stream(path, resumed, frozenset(tried), pinned=pinned)
                     except AttemptFailed:
                         await asyncio.sleep(backoff_s(attempt, self.rng) + 0.05)
                         tried.clear()

@@ -18,8 +18,10 @@ from starlette.routing import Route
 
 from phalanx.serve.errors import BadRequest, Overloaded, ServeError, UnknownModel
 from phalanx.serve.replica_app import error_response, read_json_body, serve_error_response
-from phalanx.serve.request_auth import RequireApiKey
-from phalanx.serve.router import AttemptFailed, Router
+from phalanx.serve.request_auth import ClusterTokenOnAdmin, RequireApiKey
+from phalanx.serve.rollout import RolloutBusy, roll_out
+from phalanx.serve.router import VERSION_HEADER, AttemptFailed, Router, VersionHeldBack
+from phalanx.serve.versions import SESSION_HEADER, session_of
 from phalanx.serve.routing_policy import backoff_s
 
 
@@ -49,26 +51,32 @@ class RouterHttp:
                 raise Overloaded(f"{self.router.active} requests in flight (limit {self.cfg.active_requests_max}); retry shortly")
         except ServeError as e:
             return serve_error_response(e)
+        session = session_of(body, request.headers.get(SESSION_HEADER))
         if body.get("seed") is None:
             body["seed"] = self.router.rng.randrange(2**31)  # fixed here so a retry or a resumption samples alike
         self.router.active += 1
         self.router.requests_total += 1
         if body.get("stream") is True:
-            return await self._stream(path, body, chat, t0)
+            return await self._stream(path, body, chat, t0, session)
         try:
-            status, payload = await self.router.unary(path, body)
+            status, payload, version = await self.router.unary(path, body, session)
         finally:
             self.router.active -= 1
         if status == 200:
             self.router.metrics.latency.labels(path).observe(time.monotonic() - t0)
             self.router.history.add(time.monotonic() - t0)
-        return JSONResponse(payload, status_code=status)
+            return JSONResponse(payload, status_code=status, headers={"X-Phalanx-Model-Version": version})
+        return JSONResponse(payload, status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
 
-    async def _stream(self, path: str, body: dict[str, Any], chat: bool, t0: float) -> Response:
+    async def _stream(self, path: str, body: dict[str, Any], chat: bool, t0: float, session: str | None) -> Response:
         first = None
         for attempt in range(self.cfg.attempts_max):
             try:
-                first = await self.router.open_stream(path, body, frozenset())
+                first = await self.router.open_stream(path, body, frozenset(), session)
+            except VersionHeldBack as e:
+                self.router.active -= 1
+                return error_response(503, f"{e}; retry shortly", "server_error", "version_unavailable",
+                                      headers={"Retry-After": "1"})
             except AttemptFailed:
                 await asyncio.sleep(backoff_s(attempt, self.router.rng) + 0.02)
                 continue
@@ -87,7 +95,10 @@ class RouterHttp:
                     return error_response(status, "replica rejected the request", "invalid_request_error", "rejected")
         if first is None:
             self.router.active -= 1
-            return error_response(503, "no replica could serve the request", "server_error", "replicas_unavailable")
+            return error_response(503, "no replica could serve the request", "server_error", "replicas_unavailable",
+                                  headers={"Retry-After": "1"})
+        version = first[1].headers.get(VERSION_HEADER) or first[0].version
+        self.router.observe_version(session, version)
 
         async def body_iter() -> AsyncIterator[bytes]:
             try:
@@ -96,15 +107,19 @@ class RouterHttp:
             finally:
                 self.router.active -= 1
 
-        return StreamingResponse(body_iter(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(body_iter(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Phalanx-Model-Version": version})
 
     async def models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "phalanx"}]})
 
     async def health(self, _: Request) -> Response:
-        return JSONResponse({"ok": True, "replicas": {rid: {"healthy": r.stats.healthy, "outstanding": r.stats.outstanding,
-                                                            "ewma_latency_s": round(r.stats.ewma_latency_s, 6)}
+        return JSONResponse({"ok": True, "consistency": self.cfg.consistency.value,
+                             "replicas": {rid: {"healthy": r.stats.healthy, "outstanding": r.stats.outstanding,
+                                                "ewma_latency_s": round(r.stats.ewma_latency_s, 6), "version": r.version,
+                                                "version_rank": self.router.book.rank(r.version),
+                                                "admitting": r.admitting, "url": r.url}
                                                       for rid, r in self.router.replicas.items()},
                              "events": self.router.events[-20:]})
 
@@ -116,6 +131,38 @@ class RouterHttp:
         for rid, r in self.router.replicas.items():
             self.router.metrics.outstanding.labels(rid).set(r.stats.outstanding)
         return Response(generate_latest(self.router.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    async def rollout(self, request: Request) -> Response:
+        """``phalanx serve rollout``: swap every replica to a checkpoint, one at a time (admin: signed with
+        the cluster token). Answers when done, with what happened to each replica."""
+        try:
+            body = await read_json_body(request)
+            if not isinstance(body, dict) or not isinstance(body.get("checkpoint"), str) or not body["checkpoint"]:
+                raise BadRequest("body must be {\"checkpoint\": CHECKPOINT_OR_RUN_DIR}", param="checkpoint")
+        except ServeError as e:
+            return serve_error_response(e)
+        try:
+            report = await roll_out(self.router, body["checkpoint"], log=lambda m: print(m, flush=True))
+        except RolloutBusy as e:
+            return error_response(409, str(e), "invalid_request_error", "rollout_running")
+        return JSONResponse(report, status_code=200 if report["ok"] else 422)
+
+    async def join(self, request: Request) -> Response:
+        """``phalanx serve replica --join``: a replica on another machine asks to be routed to (admin:
+        signed with the cluster token); it is admitted once its health polls succeed."""
+        try:
+            body = await read_json_body(request)
+            rid, url = (body.get("replica_id"), body.get("url")) if isinstance(body, dict) else (None, None)
+            if not isinstance(rid, str) or not rid or len(rid) > 64 or not rid.replace("-", "").replace("_", "").isalnum():
+                raise BadRequest("'replica_id' must be 1 to 64 letters, digits, '-' or '_'", param="replica_id")
+            if not isinstance(url, str) or not url.startswith("http://") or len(url) > 256:
+                raise BadRequest("'url' must be http://HOST:PORT", param="url")
+        except ServeError as e:
+            return serve_error_response(e)
+        if not self.router.add_replica(rid, url.rstrip("/")):
+            return error_response(409, f"replica id {rid!r} is already a member at another URL", "invalid_request_error",
+                                  "replica_exists", "replica_id")
+        return JSONResponse({"joined": rid, "members": sorted(self.router.replicas)})
 
     async def not_found(self, request: Request, exc: Exception) -> Response:
         return error_response(404, f"no route {request.method} {request.url.path}", "invalid_request_error", "not_found")
@@ -132,10 +179,14 @@ class RouterHttp:
 
 
 def build_router_app(router: Router, api_key: str | None = None) -> Starlette:
-    """The public app; with ``api_key``, /v1/ routes demand ``Authorization: Bearer <api_key>``."""
+    """The public app; with ``api_key``, /v1/ routes demand ``Authorization: Bearer <api_key>``. The admin
+    routes under /phalanx/ (rollout, join) demand a request signed with the cluster token, as replicas do."""
     h = RouterHttp(router)
     middleware = [Middleware(RequireApiKey, api_key=api_key)] if api_key else []
+    middleware.append(Middleware(ClusterTokenOnAdmin, token=router.token, body_bytes_max=1 << 20))
     return Starlette(middleware=middleware, routes=[
+        Route("/phalanx/rollout", h.rollout, methods=["POST"]),
+        Route("/phalanx/join", h.join, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat_completions, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),

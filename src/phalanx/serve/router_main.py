@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -17,6 +18,7 @@ from phalanx.core.errors import ConfigError, PhalanxError
 from phalanx.serve.cluster import ROUTER_READY_LINE, bind_loopback, router_config
 from phalanx.serve.replica_main import _exit_with_parent
 from phalanx.serve.router import Router
+from phalanx.serve.rollout import follow_run
 from phalanx.serve.router_app import build_router_app
 
 READY_LINE = ROUTER_READY_LINE
@@ -26,9 +28,9 @@ async def _serve(args: argparse.Namespace) -> None:
     urls = dict(spec.split("=", 1) for spec in args.replica)
     if not args.token_file:
         raise ConfigError("the router needs the cluster token its replicas accept: --token-file F or PHALANX_TOKEN_FILE")
-    cfg = router_config(args.policy, args.hedging, args.active_requests_max)
+    cfg = router_config(args.policy, args.hedging, args.active_requests_max, args.consistency)
     router = Router(urls, cfg, seed=args.seed, token=read_token_file(args.token_file))
-    sock = bind_loopback(args.port)
+    sock = bind_loopback(args.port, args.host)
     server = uvicorn.Server(uvicorn.Config(build_router_app(router, args.api_key or None), log_level="warning",
                                            lifespan="on"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -44,13 +46,26 @@ async def _serve(args: argparse.Namespace) -> None:
     print(f"{READY_LINE} {sock.getsockname()[1]}", flush=True)
     if args.exit_with_parent:
         asyncio.create_task(_exit_with_parent(server, os.getppid()))
-    await task
+    follower = None
+    if args.follow:
+        follower = asyncio.create_task(follow_run(router, Path(args.follow), args.follow_poll_s,
+                                                  log=lambda m: print(m, flush=True)))
+    try:
+        await task
+    finally:
+        if follower is not None:
+            follower.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--replica", action="append", default=[], help="ID=URL, repeatable")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--host", default="127.0.0.1", help="listen address (loopback unless told otherwise)")
+    ap.add_argument("--consistency", default="consistent", choices=["consistent", "available"],
+                    help="during a rollout: a session never sees an older version (consistent) or any healthy replica")
+    ap.add_argument("--follow", default=None, metavar="RUN_DIR", help="roll out each new checkpoint of this run")
+    ap.add_argument("--follow-poll-s", type=float, default=2.0)
     ap.add_argument("--policy", default="p2c-latency", choices=["p2c-latency", "p2c-queue", "round-robin"])
     ap.add_argument("--hedging", action="store_true")
     ap.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,162 @@
+"""Rollout with real replica processes, a real router and the openai client: zero failed requests, and in
+consistent mode no session ever sees an older version after a newer one."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from phalanx.checkpoint.durable import write_checkpoint
+from phalanx.checkpoint.state_codec import capture_training_state
+from phalanx.core.auth import read_token_file
+from phalanx.serve.admin_client import request_rollout
+from phalanx.serve.cluster import spawn_replicas, spawn_router, stop_replicas
+from phalanx.serve.served_model import random_model
+
+MODEL = "phalanx-charlm"
+
+
+def write_step(run_dir: Path, step: int, seed: int) -> Path:
+    """A committed checkpoint of the bundled model (untrained weights ``seed``: each step differs)."""
+    return write_checkpoint(run_dir, step, capture_training_state(random_model(seed).model, None, {}), {})
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("rollout") / "train-test"
+    write_step(d, 1, 0)
+    return d
+
+
+def version_of(run_dir: Path, step: int) -> str:
+    return f"{run_dir.name}/step_{step:08d}"
+
+
+def start(run_dir: Path, token_file: Path, n: int, *router_args: str):
+    reps = spawn_replicas(n, ["--checkpoint", str(run_dir / "checkpoints" / "step_00000001"), "--slowdown-factor", "4",
+                              "--batch-size-max", "8"], token_file)
+    try:
+        router = spawn_router({r.replica_id: r.url for r in reps}, token_file, extra=list(router_args))
+    except BaseException:
+        stop_replicas(reps)
+        raise
+    return reps, router
+
+
+async def sessions_under_load(url: str, stop: threading.Event, sessions: int = 9) -> tuple[dict[str, list[str]], list[str]]:
+    """Each session sends requests one after another (odd ones streamed) until ``stop``; returns the version each
+    response named, in order, per session, and every failure."""
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=3, timeout=60)
+    seen: dict[str, list[str]] = {f"s{i}": [] for i in range(sessions)}
+    failures: list[str] = []
+
+    async def session(name: str, i: int) -> None:
+        for n in range(2000):  # bounded; ends at stop
+            if stop.is_set():
+                return
+            try:
+                if (i + n) % 2:
+                    versions = set()
+                    stream = await c.completions.create(model=MODEL, prompt="The ", max_tokens=12, seed=n, user=name,
+                                                        stream=True)
+                    async for ch in stream:
+                        versions.add(ch.system_fingerprint)
+                    if len(versions) != 1:
+                        failures.append(f"{name}: one stream, versions {versions}")
+                    seen[name].append(versions.pop())
+                else:
+                    r = await c.completions.create(model=MODEL, prompt="x = ", max_tokens=8, seed=n, user=name)
+                    seen[name].append(r.system_fingerprint)
+            except openai.OpenAIError as e:
+                failures.append(f"{name}: {type(e).__name__}: {e}")
+
+    await asyncio.gather(*(session(f"s{i}", i) for i in range(sessions)))
+    await c.close()
+    return seen, failures
+
+
+def regressions(seen: dict[str, list[str]], order: list[str]) -> int:
+    """Responses that named an older version than one the same session had already seen."""
+    count = 0
+    for versions in seen.values():
+        top = -1
+        for v in versions:
+            rank = order.index(v)
+            count += rank < top
+            top = max(top, rank)
+    return count
+
+
+def rollout_under_load(run_dir: Path, token_file: Path, mode: str, checkpoint: Path) -> tuple[dict, dict, int]:
+    reps, router = start(run_dir, token_file, 3, "--consistency", mode)
+    try:
+        stop = threading.Event()
+        result: dict = {}
+
+        def roll() -> None:
+            time.sleep(1.5)  # load first
+            result["status"], result["report"] = request_rollout(router.url, read_token_file(token_file), str(checkpoint))
+            time.sleep(1.0)  # and after
+            stop.set()
+
+        t = threading.Thread(target=roll)
+        t.start()
+        seen, failures = asyncio.run(sessions_under_load(router.url, stop))
+        t.join(60)
+        health = httpx.get(router.url + "/health", timeout=5).json()
+    finally:
+        router.stop()
+        stop_replicas(reps)
+    assert failures == []  # zero failed requests, streamed or not
+    assert result["status"] == 200 and result["report"]["ok"], result
+    old, new = version_of(run_dir, 1), version_of(run_dir, 2)
+    assert {r["version"] for r in health["replicas"].values()} == {new}
+    assert all(v in (old, new) for vs in seen.values() for v in vs)
+    assert sum(v == old for vs in seen.values() for v in vs) > 0 and sum(v == new for vs in seen.values() for v in vs) > 0
+    return result["report"], seen, regressions(seen, [old, new])
+
+
+def test_rollout_under_load_fails_nothing_and_no_session_goes_back_a_version(run_dir, token_file):
+    ckpt = write_step(run_dir, 2, 1) if not (run_dir / "checkpoints" / "step_00000002").exists() else \
+        run_dir / "checkpoints" / "step_00000002"
+    report, seen, back = rollout_under_load(run_dir, token_file, "consistent", ckpt)
+    assert [s["replica"] for s in report["steps"]] == ["r0", "r1", "r2"]  # one at a time, in order
+    assert back == 0, seen
+
+
+@pytest.mark.slow
+def test_rollout_in_available_mode_fails_nothing_and_counts_version_regressions(run_dir, token_file):
+    ckpt = write_step(run_dir, 2, 1) if not (run_dir / "checkpoints" / "step_00000002").exists() else \
+        run_dir / "checkpoints" / "step_00000002"
+    report, seen, back = rollout_under_load(run_dir, token_file, "available", ckpt)
+    print(f"available mode: {back} version regressions in {sum(len(v) for v in seen.values())} responses")
+    assert report["ok"]
+
+
+def test_a_corrupt_checkpoint_is_refused_and_the_old_weights_keep_serving(run_dir, token_file, tmp_path):
+    bad = tmp_path / "train-bad" / "checkpoints" / "step_00000009"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000001", bad)
+    data = bytearray((bad / "state.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (bad / "state.safetensors").write_bytes(bytes(data))
+    reps, router = start(run_dir, token_file, 2)
+    try:
+        unsigned = httpx.post(router.url + "/phalanx/rollout", json={"checkpoint": str(bad)}, timeout=10)
+        assert unsigned.status_code == 401  # admin routes demand the cluster token
+        status, report = request_rollout(router.url, read_token_file(token_file), str(bad))
+        assert status == 422 and not report["ok"] and "SHA-256" in report["error"]
+        c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        r = c.completions.create(model=MODEL, prompt="The ", max_tokens=4)
+        assert r.system_fingerprint == version_of(run_dir, 1)
+        health = httpx.get(router.url + "/health", timeout=5).json()["replicas"]
+        assert all(h["version"] == version_of(run_dir, 1) and h["admitting"] for h in health.values())
+    finally:
+        router.stop()
+        stop_replicas(reps)
