@@ -67,15 +67,33 @@ class Prober:
     refused: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _seen: set[str] = field(default_factory=set)
+    _offset: int = 0  # events.jsonl is read on from here: each probe reads only the new lines
+    _inode: int = -1
 
     def targets(self) -> list[str]:
         try:
-            evs = [json.loads(x) for x in (self.run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
-        except (OSError, ValueError):
-            return []
-        out = {e["address"] for e in evs if e.get("event") == "coordinator_started" and e.get("address")}
-        out |= {e["heal_address"] for e in evs if e.get("event") == "worker_joined" and e.get("heal_address")}
-        return sorted(out)
+            with open(self.run_dir / "events.jsonl", "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self._inode or st.st_size < self._offset:  # a fresh run replaced the file
+                    self._inode, self._offset = st.st_ino, 0
+                    self._seen.clear()
+                f.seek(self._offset)
+                new = f.read()
+        except OSError:
+            return sorted(self._seen)
+        complete = new[: new.rfind(b"\n") + 1]  # a line still being written is read next time
+        self._offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("event") == "coordinator_started" and e.get("address"):
+                self._seen.add(e["address"])
+            elif e.get("event") == "worker_joined" and e.get("heal_address"):
+                self._seen.add(e["heal_address"])
+        return sorted(self._seen)
 
     def run(self) -> None:
         rng = random.Random(7)
