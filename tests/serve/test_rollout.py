@@ -160,3 +160,33 @@ def test_a_corrupt_checkpoint_is_refused_and_the_old_weights_keep_serving(run_di
     finally:
         router.stop()
         stop_replicas(reps)
+
+
+def _wait_for(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:  # bounded
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_follow_rolls_out_each_new_checkpoint_of_a_running_training_job(tmp_path, token_file):
+    run = tmp_path / "train-live"
+    write_step(run, 1, 0)
+    reps, router = start(run, token_file, 2, "--follow", str(run), "--follow-poll-s", "0.2")
+    try:
+        def versions() -> set[str]:
+            return {h["version"] for h in httpx.get(router.url + "/health", timeout=5).json()["replicas"].values()}
+
+        assert versions() == {version_of(run, 1)}
+        write_step(run, 2, 1)  # training commits a new checkpoint
+        _wait_for(lambda: versions() == {version_of(run, 2)}, 60, "every replica on step 2")
+        write_step(run, 3, 2)
+        _wait_for(lambda: versions() == {version_of(run, 3)}, 60, "every replica on step 3")
+        c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        assert c.completions.create(model=MODEL, prompt="The ", max_tokens=4).system_fingerprint == version_of(run, 3)
+    finally:
+        router.stop()
+        stop_replicas(reps)
