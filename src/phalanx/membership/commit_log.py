@@ -26,7 +26,9 @@ import math
 from itertools import islice
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, overload
+from typing import Annotated, Any, overload
+
+import msgspec
 
 from phalanx.core.errors import PhalanxError
 from phalanx.membership.coordinator_state import CommitRecord
@@ -135,7 +137,34 @@ def _count(d: dict[str, Any], key: str) -> int:
     return x
 
 
+class _Line(msgspec.Struct, forbid_unknown_fields=True):
+    """One log line as written; the fast, strict decoder for the common case (no NaN loss)."""
+
+    step: Annotated[int, msgspec.Meta(ge=0)]
+    quorum_id: Annotated[int, msgspec.Meta(ge=0)]
+    members: list[str]
+    loss: float
+    step_s: float
+    committed_at_s: float
+    samples_covered_once: bool
+    incarnation: Annotated[int, msgspec.Meta(ge=0)]
+
+
+_DECODE = msgspec.json.Decoder(_Line).decode
+
+
 def _parse(text: str) -> tuple[int, CommitRecord]:
+    try:
+        x = _DECODE(text)
+        if math.isfinite(x.step_s) and math.isfinite(x.committed_at_s):
+            return x.incarnation, CommitRecord(x.step, x.quorum_id, tuple(x.members), x.loss, x.committed_at_s,
+                                               x.step_s, x.samples_covered_once)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    return _parse_checked(text)  # a NaN loss (not JSON, but what json.dumps writes), or the error message
+
+
+def _parse_checked(text: str) -> tuple[int, CommitRecord]:
     d = json.loads(text)
     if not isinstance(d, dict):
         raise ValueError(f"a record is a JSON object, not {type(d).__name__}")
@@ -194,15 +223,17 @@ def _survival_bounds(path: Path, first_incarnation: int) -> dict[int, float]:
     return bounds
 
 
-def _split(path: Path, first_incarnation: int, keep: bool) -> Iterator[CommitRecord]:
+def _split(path: Path, first_incarnation: int, keep: bool,
+           bounds: dict[int, float] | None = None) -> Iterator[CommitRecord]:
     if not path.exists():
         return
-    bounds = _survival_bounds(path, first_incarnation)
+    if bounds is None:
+        bounds = _survival_bounds(path, first_incarnation)
     last_step = -1
     for inc, lineno, rec in read_log(path):
         if inc < first_incarnation:
             continue
-        survives = rec.step < bounds[inc]
+        survives = rec.step < bounds.get(inc, math.inf)  # begun after the bounds were read: nothing later
         if survives and keep:
             if rec.step <= last_step:
                 raise CommitLogError(path, lineno, f"step {rec.step} after step {last_step} in the merged history")
@@ -231,9 +262,15 @@ class CommitHistory:
         self.path, self.first_incarnation = path, first_incarnation
         self._len: int | None = None
         self._last: CommitRecord | None = None
+        self._bounds: dict[int, float] | None = None  # read once: the log is complete when a history is read
+
+    def _survival(self) -> dict[int, float]:
+        if self._bounds is None:
+            self._bounds = _survival_bounds(self.path, self.first_incarnation) if self.path.exists() else {}
+        return self._bounds
 
     def __iter__(self) -> Iterator[CommitRecord]:
-        return read_commits(self.path, self.first_incarnation)
+        return _split(self.path, self.first_incarnation, True, self._survival())
 
     def _scan(self) -> None:
         n, last = 0, None
@@ -257,7 +294,7 @@ class CommitHistory:
     def __getitem__(self, i: int | slice) -> CommitRecord | list[CommitRecord]:
         if isinstance(i, slice):
             if (i.start or 0) >= 0 and (i.stop is None or i.stop >= 0) and (i.step or 1) > 0:
-                return list(islice(self, i.start, i.stop, i.step))  # streamed: history[5:] holds no more than it returns
+                return list(islice(self, i.start, i.stop, i.step))  # streamed: holds only what it returns
             return list(self)[i]
         n = len(self)
         if i < 0:
@@ -270,4 +307,4 @@ class CommitHistory:
         return next(rec for k, rec in enumerate(self) if k == i)
 
     def superseded(self) -> list[CommitRecord]:
-        return list(read_superseded(self.path, self.first_incarnation))
+        return list(_split(self.path, self.first_incarnation, False, self._survival()))
