@@ -6,7 +6,10 @@
 2. failover: SIGKILL one of 4 replicas under load: p99 of the requests sent in the second after the
    kill against the p99 before it, failed requests;
 3. router overhead: the same replica called directly and through the router at 200 req/s;
-4. continuous batching: tokens/s with 32 concurrent streams against 1.
+4. continuous batching: tokens/s with 32 concurrent streams against 1;
+5. rollout: two rollouts (step 1 -> 2 -> 3) of 4 replicas under Poisson load from many sessions, in
+   consistent and in available mode: failed, delayed and refused requests against version
+   regressions per session (the trade-off of the two modes).
 
 Replicas serve untrained weights (the bundled model's shape): timing does not depend on the values.
 """
@@ -204,6 +207,91 @@ def batching(token_file: Path, duration_s: float, max_tokens: int = 48) -> dict[
     return out
 
 
+async def _session_load(url: str, rate: float, duration_s: float, sessions: int, seed: int = 0) -> dict[str, Any]:
+    """Poisson arrivals, each from one of ``sessions`` (the ``user`` field); per response: its version,
+    latency and status (no retries: a 503 is a refusal)."""
+    import random
+
+    rng = random.Random(seed)
+    out: list[tuple[str, float, int, str]] = []  # (session, latency, status, version)
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=256)) as c:
+        async def one(i: int) -> None:
+            user = f"s{rng.randrange(sessions)}"
+            t0 = time.monotonic()
+            try:
+                r = await c.post(url + "/v1/completions", json={"model": "phalanx-charlm", "prompt": "The ",
+                                                                 "max_tokens": 8, "seed": i, "user": user})
+                out.append((user, time.monotonic() - t0, r.status_code, r.headers.get("x-phalanx-model-version", "")))
+            except httpx.HTTPError:
+                out.append((user, time.monotonic() - t0, 0, ""))
+
+        tasks, t_end, i = [], time.monotonic() + duration_s, 0
+        while time.monotonic() < t_end:  # bounded by the duration
+            tasks.append(asyncio.create_task(one(i)))
+            i += 1
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    return {"responses": out}
+
+
+def rollout_tradeoff(token_file: Path, duration_s: float, rate: float = 20.0, sessions: int = 50) -> dict[str, Any]:
+    from phalanx.checkpoint.durable import write_checkpoint
+    from phalanx.checkpoint.state_codec import capture_training_state
+    from phalanx.serve.admin_client import request_rollout
+    from phalanx.serve.served_model import random_model
+
+    token = read_token_file(token_file)
+    out: dict[str, Any] = {"rate_per_s": rate, "sessions": sessions, "duration_s": duration_s}
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-rollout-") as tmp:
+        run = Path(tmp) / "train-bench"
+        ckpts = [write_checkpoint(run, step, capture_training_state(random_model(step).model, None, {}), {})
+                 for step in (1, 2, 3)]
+        order = [f"{run.name}/{c.name}" for c in ckpts]
+        for mode in ("consistent", "available"):
+            reps = spawn_replicas(4, ["--checkpoint", str(ckpts[0]), "--batch-size-max", "8"], token_file)
+            router = spawn_router({r.replica_id: r.url for r in reps}, token_file, extra=["--consistency", mode])
+            try:
+                async def run_case() -> tuple[dict[str, Any], list[Any]]:
+                    load = asyncio.create_task(_session_load(router.url, rate, duration_s, sessions))
+                    reports = []
+                    for at_s, ckpt in ((0.2 * duration_s, ckpts[1]), (0.55 * duration_s, ckpts[2])):
+                        await asyncio.sleep(max(0.0, at_s - (time.monotonic() - t0)))
+                        reports.append(await asyncio.to_thread(request_rollout, router.url, token, str(ckpt)))
+                    return await load, reports
+
+                t0 = time.monotonic()
+                res, reports = asyncio.run(run_case())
+                waits = _metric(router.url, "phalanx_router_version_waits_total")
+                refusals = _metric(router.url, "phalanx_router_version_refusals_total")
+            finally:
+                router.stop()
+                stop_replicas(reps)
+            out[mode] = _tradeoff_row(res["responses"], order, reports, waits, refusals)
+            print(f"[rollout] {mode}: {out[mode]}", flush=True)
+    return out
+
+
+def _tradeoff_row(responses: list[Any], order: list[str], reports: list[Any], waits: float, refusals: float
+                  ) -> dict[str, Any]:
+    top: dict[str, int] = {}
+    regressions, regressed = 0, set()
+    for user, _, status, version in responses:  # in completion order: what each session saw, in turn
+        if status != 200 or version not in order:
+            continue
+        rank = order.index(version)
+        if rank < top.get(user, -1):
+            regressions += 1
+            regressed.add(user)
+        top[user] = max(top.get(user, -1), rank)
+    lat = [lat for _, lat, status, _ in responses if status == 200]
+    return {"requests": len(responses), "ok": len(lat), "refused_503": sum(s == 503 for _, _, s, _ in responses),
+            "failed": sum(s not in (200, 503) for _, _, s, _ in responses), "delayed": int(waits),
+            "refused_by_router": int(refusals), "regressions": regressions, "sessions_regressed": len(regressed),
+            "sessions": len(top), "p50_s": quantile(lat, 0.5), "p99_s": quantile(lat, 0.99),
+            "rollouts_ok": [bool(r[1].get("ok")) for r in reports],
+            "rollout_s": [r[1].get("took_s") for r in reports]}
+
+
 def report(all_: dict[str, Any]) -> str:
     lines = []
     if "slow_replica" in all_:
@@ -234,6 +322,17 @@ def report(all_: dict[str, Any]) -> str:
                       f"+{o['added_p99_ms']:.2f} ms p99 (direct p50 {1000 * o['direct']['p50_s']:.2f} ms, "
                       f"routed p50 {1000 * o['router']['p50_s']:.2f} ms); the router spends "
                       f"{o['router_cpu_ms_per_request']:.2f} ms of CPU per request"]
+    if "rollout" in all_:
+        ro = all_["rollout"]
+        lines += ["", f"Rollout: 4 replicas, two rollouts (step 1 -> 2 -> 3) during {ro['duration_s']:g} s of Poisson "
+                      f"{ro['rate_per_s']:g} req/s from {ro['sessions']} sessions (the `user` field), no client retries", "",
+                  "| mode | requests | failed | delayed | refused (503) | regressions | sessions regressed | p50 s | p99 s "
+                  "| rollouts s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for mode in ("consistent", "available"):
+            m = ro[mode]
+            lines.append(f"| {mode} | {m['requests']} | {m['failed']} | {m['delayed']} | {m['refused_503']} | "
+                         f"{m['regressions']} | {m['sessions_regressed']} of {m['sessions']} | {m['p50_s']:.3f} | "
+                         f"{m['p99_s']:.3f} | {', '.join(str(x) for x in m['rollout_s'])} |")
     if "batching" in all_:
         b = all_["batching"]
         lines += ["", f"Continuous batching: {b['1_streams']['tokens_per_s']:.0f} tokens/s with 1 stream, "
@@ -246,7 +345,8 @@ def main() -> int:
     ap.add_argument("--duration-s", type=float, default=15.0)
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--only", default="slow,failover,overhead,batching")
+    ap.add_argument("--only", default="slow,failover,overhead,batching,rollout")
+    ap.add_argument("--rollout-rate", type=float, default=20.0, help="req/s for the rollout case")
     ap.add_argument("--overhead-rate", type=float, default=200.0, help="req/s for the router-overhead case")
     ap.add_argument("--out", default="runs/bench-serving.json")
     args = ap.parse_args()
@@ -265,6 +365,8 @@ def _run_sections(args: argparse.Namespace, token_file: Path) -> int:
         all_["router_overhead"] = router_overhead(token_file, min(args.duration_s, 10.0), args.overhead_rate)
     if "batching" in only:
         all_["batching"] = batching(token_file, min(args.duration_s, 10.0))
+    if "rollout" in only:
+        all_["rollout"] = rollout_tradeoff(token_file, max(args.duration_s, 10.0), args.rollout_rate)
     text = report(all_) + f"\n\n(load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
     print("\n" + text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
