@@ -152,3 +152,23 @@ def test_a_decision_redone_after_a_coordinator_kill_reads_back_from_the_log_as_i
     assert disk.commits == mem.commits and disk.superseded == mem.superseded and disk.ok
     lines = list(read_log(tmp_path / "commits.jsonl"))
     assert len(lines) == 31 and {inc for inc, _, _ in lines} == {0, 1}  # 30 steps + the one redone
+
+
+def test_a_history_outlives_its_run_folder_and_reads_the_same_with_small_reads(tmp_path, monkeypatch):
+    import phalanx.membership.commit_log as cl
+
+    recs = [_c(i, 1, loss=0.1 * i) for i in range(200)]
+    _write(tmp_path / "c.jsonl", [recs[:120], recs[119:]])  # the second incarnation redoes step 119
+    monkeypatch.setattr(cl, "_CHUNK_BYTES", 100)  # lines split across reads
+    h = CommitHistory(tmp_path / "c.jsonl")
+    (tmp_path / "c.jsonl").unlink()  # e.g. a benchmark's temporary run folder, removed before it reads
+    assert list(h) == recs and len(h) == 200 and h[-1] == recs[-1] and h.superseded() == [recs[119]]
+    assert [c.step for c in h[5:8]] == [5, 6, 7]
+    h.close()
+
+
+def test_a_line_that_is_not_utf8_is_a_typed_error(tmp_path):
+    path = tmp_path / "commits.jsonl"
+    path.write_bytes(GOOD.encode() + b"\n\xff\xfe\n")
+    with pytest.raises(CommitLogError, match=":2: not a commit record"):
+        list(CommitHistory(path))

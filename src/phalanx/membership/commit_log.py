@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from itertools import islice
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -185,34 +186,53 @@ def _parse_checked(text: str) -> tuple[int, CommitRecord]:
     return _count(d, "incarnation"), rec
 
 
-def read_log(path: Path) -> Iterator[tuple[int, int, CommitRecord]]:
+_CHUNK_BYTES = 1 << 20
+
+
+def _raw_lines(path: Path, fd: int | None) -> Iterator[bytes]:
+    """The file's lines as bytes. From ``fd`` (held open, so readable even after the run folder was
+    removed) with positioned reads, which share no offset with another reader of the same fd."""
+    if fd is None:
+        with open(path, "rb") as f:
+            yield from f
+        return
+    offset, rest = 0, b""
+    while chunk := os.pread(fd, _CHUNK_BYTES, offset):
+        offset += len(chunk)
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            yield line + b"\n"
+    if rest:
+        yield rest
+
+
+def read_log(path: Path, fd: int | None = None) -> Iterator[tuple[int, int, CommitRecord]]:
     """Every line of the log as written, streamed: (incarnation, line number, record). Checks each
     line, and that incarnations never go back and each incarnation's steps go up by one."""
     last: tuple[int, int] | None = None  # (incarnation, step) of the line before
-    with open(path, encoding="utf-8") as f:
-        for lineno, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            if not text.endswith("\n"):
-                raise CommitLogError(path, lineno, "the last record is cut short (the writer died mid-line)")
-            try:
-                inc, rec = _parse(text)
-            except (ValueError, KeyError, TypeError) as e:
-                raise CommitLogError(path, lineno, f"not a commit record: {e}") from e
-            if last is not None and inc < last[0]:
-                raise CommitLogError(path, lineno, f"incarnation {inc} after incarnation {last[0]}")
-            if last is not None and inc == last[0] and rec.step != last[1] + 1:
-                raise CommitLogError(path, lineno, f"step {rec.step} after step {last[1]} in incarnation {inc}: "
-                                                   "an incarnation commits each step once, in order")
-            last = (inc, rec.step)
-            yield inc, lineno, rec
+    for lineno, raw in enumerate(_raw_lines(path, fd), 1):
+        if not raw.strip():
+            continue
+        if not raw.endswith(b"\n"):
+            raise CommitLogError(path, lineno, "the last record is cut short (the writer died mid-line)")
+        try:
+            inc, rec = _parse(raw.decode("utf-8"))
+        except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+            raise CommitLogError(path, lineno, f"not a commit record: {e}") from e
+        if last is not None and inc < last[0]:
+            raise CommitLogError(path, lineno, f"incarnation {inc} after incarnation {last[0]}")
+        if last is not None and inc == last[0] and rec.step != last[1] + 1:
+            raise CommitLogError(path, lineno, f"step {rec.step} after step {last[1]} in incarnation {inc}: "
+                                               "an incarnation commits each step once, in order")
+        last = (inc, rec.step)
+        yield inc, lineno, rec
 
 
-def _survival_bounds(path: Path, first_incarnation: int) -> dict[int, float]:
+def _survival_bounds(path: Path, first_incarnation: int, fd: int | None = None) -> dict[int, float]:
     """Per incarnation, the lowest first step of any later one: its records at or above it were
     committed again later (superseded). One streaming pass; memory O(incarnations)."""
     firsts: dict[int, int] = {}
-    for inc, _, rec in read_log(path):
+    for inc, _, rec in read_log(path, fd):
         if inc >= first_incarnation:
             firsts.setdefault(inc, rec.step)
     bounds: dict[int, float] = {}
@@ -224,13 +244,13 @@ def _survival_bounds(path: Path, first_incarnation: int) -> dict[int, float]:
 
 
 def _split(path: Path, first_incarnation: int, keep: bool,
-           bounds: dict[int, float] | None = None) -> Iterator[CommitRecord]:
-    if not path.exists():
+           bounds: dict[int, float] | None = None, fd: int | None = None) -> Iterator[CommitRecord]:
+    if fd is None and not path.exists():
         return
     if bounds is None:
-        bounds = _survival_bounds(path, first_incarnation)
+        bounds = _survival_bounds(path, first_incarnation, fd)
     last_step = -1
-    for inc, lineno, rec in read_log(path):
+    for inc, lineno, rec in read_log(path, fd):
         if inc < first_incarnation:
             continue
         survives = rec.step < bounds.get(inc, math.inf)  # begun after the bounds were read: nothing later
@@ -256,21 +276,36 @@ def read_superseded(path: Path, first_incarnation: int = 0) -> Iterator[CommitRe
 class CommitHistory:
     """A run's merged commit history, read from its log on demand rather than held in memory.
     Iterating streams the file; ``len``, the last record and slices are there for the callers that
-    used the in-memory list (``history[-1].loss``, ``history[5:]``). A missing file is an empty history."""
+    used the in-memory list (``history[-1].loss``, ``history[5:]``). The file is held open from
+    construction, so a history outlives its run folder (a benchmark's temporary one); a file that
+    did not exist then is an empty history."""
 
     def __init__(self, path: Path, first_incarnation: int = 0) -> None:
         self.path, self.first_incarnation = path, first_incarnation
         self._len: int | None = None
         self._last: CommitRecord | None = None
         self._bounds: dict[int, float] | None = None  # read once: the log is complete when a history is read
+        try:
+            self._fd: int | None = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
 
     def _survival(self) -> dict[int, float]:
         if self._bounds is None:
-            self._bounds = _survival_bounds(self.path, self.first_incarnation) if self.path.exists() else {}
+            self._bounds = _survival_bounds(self.path, self.first_incarnation, self._fd) if self._fd is not None else {}
         return self._bounds
 
     def __iter__(self) -> Iterator[CommitRecord]:
-        return _split(self.path, self.first_incarnation, True, self._survival())
+        if self._fd is not None:  # a generator: it holds self, so the fd stays open while it runs
+            yield from _split(self.path, self.first_incarnation, True, self._survival(), self._fd)
 
     def _scan(self) -> None:
         n, last = 0, None
@@ -307,4 +342,6 @@ class CommitHistory:
         return next(rec for k, rec in enumerate(self) if k == i)
 
     def superseded(self) -> list[CommitRecord]:
-        return list(_split(self.path, self.first_incarnation, False, self._survival()))
+        if self._fd is None:
+            return []
+        return list(_split(self.path, self.first_incarnation, False, self._survival(), self._fd))
