@@ -4,6 +4,7 @@ then the fault-free single-process reference over the same batches, compared and
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,13 +112,12 @@ def _supersede_after_checkpoint(run_dir: Path) -> None:
     path = run_dir / "metrics.jsonl"
     if found is None or not path.exists():
         return
-    keep, gone = [], []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            (keep if json.loads(line)["step"] <= found[1] else gone).append(line)
-    path.write_text("".join(x + "\n" for x in keep))
-    with open(run_dir / "metrics.superseded.jsonl", "a") as f:
-        f.writelines(x + "\n" for x in gone)
+    tmp = path.with_suffix(".tmp")
+    with open(path) as src, open(tmp, "w") as keep, open(run_dir / "metrics.superseded.jsonl", "a") as gone:
+        for line in src:  # streamed: a long run's metrics are not read into memory
+            if line.strip():
+                (keep if json.loads(line)["step"] <= found[1] else gone).write(line.rstrip("\n") + "\n")
+    os.replace(tmp, path)
 
 
 def summarise(opts: TrainOptions, res: LaunchResult) -> dict[str, Any]:
