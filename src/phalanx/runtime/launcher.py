@@ -29,6 +29,7 @@ from phalanx.membership.commit_log import COMMITS_FILE, CommitHistory, CommitLog
 from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
 from phalanx.membership.failure_detector import DetectorConfig
 from phalanx.membership.quorum import QuorumConfig
+from phalanx.runtime.event_log import EventLog
 from phalanx.runtime.fault_injector import FaultInjector
 from phalanx.runtime.launcher_faults import CoordinatorHolder, LauncherFaults, split_plan
 from phalanx.runtime.netns import KernelFaults, NamespaceNetwork, NetworkSetupError
@@ -76,7 +77,7 @@ class LaunchResult:
     commits: CommitHistory | list[Any]  # streamed from RUN/commits.jsonl; [] with a remote coordinator
     steps_retried: int
     faults: list[dict[str, Any]]
-    events: list[dict[str, Any]]
+    events: EventLog | list[dict[str, Any]]  # read back from RUN/events.jsonl (this launch's part)
     transport: dict[str, Any]
 
 
@@ -128,8 +129,9 @@ class _Run:
                 self.token_path.unlink(missing_ok=True)  # the previous run's (a link is removed, not followed)
             write_token_file(self.token_path, generate_token())  # a fresh token for every local run, mode 600
         self.token = read_token_file(self.token_path)
-        self.events: list[dict[str, Any]] = []
+        self.late_events: list[dict[str, Any]] = []  # after events.jsonl closed; the rest is read back from it
         self.events_file = open(cfg.run_dir / "events.jsonl", "a", buffering=1)
+        self.events_start = (cfg.run_dir / "events.jsonl").stat().st_size  # a resumed run appends to the file
         self.timeline = FaultTimeline()  # when faults fire and what they did: one for the whole run
         self.injector: FaultInjector | None = None
         self.own: LauncherFaults | None = None
@@ -159,9 +161,10 @@ class _Run:
             self.floor.raise_to(int(ev["quorum_id"]))
         elif self.floor is not None and ev.get("event") == "step_committed":
             self.floor.raise_to(int(ev["quorum_id"]), int(ev["step"]), tuple(ev["members"]))
-        self.events.append(ev)
-        if not self.events_file.closed:  # late events during shutdown are kept in memory only
+        if not self.events_file.closed:
             self.events_file.write(json.dumps(ev) + "\n")
+        else:  # late events during shutdown are kept in memory only
+            self.late_events.append(ev)
         self.timeline.observe(ev, now)
         self.progress.on_event(ev)
 
@@ -247,9 +250,10 @@ class _Run:
         t = self.transport.stats
         return LaunchResult(ok, reason, time.monotonic() - self.t0, self.holder.commits() if self.holder else [],
                             self.holder.steps_retried if self.holder else 0, [r.to_json() for r in records],
-                            self.events, {"bytes_sent": t.bytes_sent, "frames_sent": t.frames_sent,
-                                          "bytes_received": t.bytes_received, "frames_received": t.frames_received,
-                                          "rejected": t.rejected})
+                            EventLog(self.cfg.run_dir / "events.jsonl", self.events_start, self.late_events),
+                            {"bytes_sent": t.bytes_sent, "frames_sent": t.frames_sent,
+                             "bytes_received": t.bytes_received, "frames_received": t.frames_received,
+                             "rejected": t.rejected})
 
 
 class DurableFloor:
