@@ -265,7 +265,10 @@ class SimConnection:
         self.net, self.local, self.remote, self.peer = net, local, remote, peer
         self.other: SimConnection | None = None
         self._incarnation = local.incarnation
-        self._inbox: asyncio.Queue[tuple[Any, list[memoryview]] | None] = asyncio.Queue()
+        # frames readable now (None: closed), and the recv() calls waiting for one: a deque and a
+        # future per wait, lighter than an asyncio.Queue on every message of the simulation
+        self._inbox: deque[tuple[Any, list[memoryview]] | None] = deque()
+        self._readers: list[asyncio.Future[None]] = []
         self._closed = False
         self.close_reason = ""
         self._last_delivery_s = 0.0
@@ -323,19 +326,44 @@ class SimConnection:
             if item is _FIN:
                 other._peer_closed("peer closed the connection")
                 return
-            other._inbox.put_nowait(item)
+            other._deliver(item)
 
     async def _pump_after_heal(self, incarnation: int) -> None:
         await self.net.wait_for_heal()
         self._held = False
         self._pump(incarnation)
 
+    def _deliver(self, item: tuple[Any, list[memoryview]] | None) -> None:
+        self._inbox.append(item)
+        self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        readers = self._readers
+        while readers:
+            reader = readers.pop(0)
+            if not reader.done():
+                reader.set_result(None)
+                return
+
     async def recv(self) -> tuple[Any, list[memoryview]]:
         _check_incarnation(self.local, self._incarnation)
-        if self._closed and self._inbox.empty():
+        inbox = self._inbox
+        if self._closed and not inbox:
             raise ConnectionClosed(f"connection to {self.peer} is closed ({self.close_reason})")
-        item = await self._inbox.get()
+        while not inbox:
+            reader = asyncio.get_running_loop().create_future()
+            self._readers.append(reader)
+            try:
+                await reader
+            except BaseException:
+                if reader in self._readers:
+                    self._readers.remove(reader)
+                elif inbox:  # woken, then cancelled: pass the wake-up on
+                    self._wake_reader()
+                raise
+        item = inbox.popleft()
         if item is None:
+            inbox.appendleft(None)  # closed stays closed for every later recv
             raise ConnectionClosed(f"connection to {self.peer} is closed ({self.close_reason})")
         return item
 
@@ -345,7 +373,7 @@ class SimConnection:
         self._closed = True
         self.close_reason = reason
         self.local.connections.discard(self)
-        self._inbox.put_nowait(None)
+        self._deliver(None)
         other = self.other
         if other is not None and not other._closed:
             loop = asyncio.get_running_loop()

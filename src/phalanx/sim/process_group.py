@@ -139,11 +139,25 @@ class _SimPending:
         self._group, self._fut, self._op = group, fut, op
 
     async def wait(self, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self._fut, timeout_s)
-        except asyncio.TimeoutError as e:
-            g = self._group
-            g.abandon()
-            arrived = len(self._op.arrivals) if self._op else g.world_size
-            raise CollectiveError(f"all-reduce of quorum {g.quorum_id} passed its {timeout_s:.1f} s deadline "
-                                  f"({arrived} of {g.world_size} ranks arrived)") from e
+        fut = self._fut
+        # A bucket that finished while later ones were still computing needs no timer. Otherwise
+        # one timer fails this rank's own future at the deadline (wait_for would add a second
+        # future, a task wrapper and two callbacks per collective).
+        if not fut.done():
+            timer = fut.get_loop().call_later(timeout_s, _expire, fut)
+            try:
+                await fut
+            except asyncio.TimeoutError as e:
+                g = self._group
+                g.abandon()
+                arrived = len(self._op.arrivals) if self._op else g.world_size
+                raise CollectiveError(f"all-reduce of quorum {g.quorum_id} passed its {timeout_s:.1f} s deadline "
+                                      f"({arrived} of {g.world_size} ranks arrived)") from e
+            finally:
+                timer.cancel()
+        fut.result()
+
+
+def _expire(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
