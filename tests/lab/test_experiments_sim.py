@@ -57,3 +57,12 @@ def test_one_frozen_worker_in_a_thousand_stalls_the_job_without_detection(tmp_pa
     model = {m["workers"]: m for m in o.data["slowest_of_n_model"]}
     assert model[1]["p99_of_slowest"] < 10 <= model[1000]["p99_of_slowest"]
     assert abs(model[1000]["share_of_steps_slow"] - model[1000]["share_predicted"]) < 0.1
+
+
+def test_real_point_counts_only_intervals_wholly_inside_or_wholly_outside_a_latency_window():
+    from phalanx.lab.latency import split_intervals
+
+    commits = [0.0, 0.4, 0.9, 1.3, 1.6, 2.2, 2.5]
+    inside, outside = split_intervals(commits, [(0.8, 1.7)])
+    assert inside == pytest.approx([0.4, 0.3])  # 0.9-1.3, 1.3-1.6
+    assert outside == pytest.approx([0.4, 0.3])  # 0.0-0.4, 2.2-2.5 (0.4-0.9 and 1.6-2.2 straddle an edge)
