@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phalanx.membership.failure_detector import DetectorConfig, Liveness, heartbeat_suspects
 from phalanx.serve.replica_app import LATENCY_BUCKETS_S
+from phalanx.serve.replica_client import ReplicaConnections
 from phalanx.serve.request_auth import ClusterTokenAuth
 from phalanx.serve.routing_policy import (PolicyConfig, ReplicaStats, RollingLatency, after_failure, backoff_s,
                                           choose_replica, hedge_delay_s, latency_outliers, may_hedge, may_retry)
@@ -65,6 +66,7 @@ class ReplicaState:
     step_time_s: float = 0.0
     version: str = ""  # the weights it serves (its /health, or the answer to a rollout's load)
     admitting: bool = True  # False while a rollout drains and reloads it
+    conns: ReplicaConnections = field(init=False)  # unary calls (streams and polls use the httpx client)
 
 
 class AttemptFailed(Exception):
@@ -111,7 +113,8 @@ class Router:
     def __init__(self, replica_urls: dict[str, str], cfg: RouterConfig = RouterConfig(), seed: int = 0,
                  token: bytes | None = None) -> None:
         self.cfg = cfg
-        self.replicas = {rid: ReplicaState(ReplicaStats(rid), url) for rid, url in sorted(replica_urls.items())}
+        self.token = token
+        self.replicas = {rid: self._replica_state(rid, url) for rid, url in sorted(replica_urls.items())}
         self.rng = random.Random(seed)
         self.rr = 0
         self.active = 0
@@ -128,6 +131,15 @@ class Router:
         # every request to a replica is signed with the cluster token (replicas refuse anything else)
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
                                         auth=ClusterTokenAuth(token) if token is not None else None)
+
+    def _replica_state(self, replica_id: str, url: str) -> ReplicaState:
+        r = ReplicaState(ReplicaStats(replica_id), url)
+        r.conns = ReplicaConnections(url, self.token)
+        return r
+
+    def close_connections(self) -> None:
+        for r in self.replicas.values():
+            r.conns.close()
 
     def stats(self) -> list[ReplicaStats]:
         return [r.stats for r in self.replicas.values()]
@@ -240,13 +252,13 @@ class Router:
         answers healthy. Returns False when this id is already a member (at that URL: a repeated join)."""
         if replica_id in self.replicas:
             return self.replicas[replica_id].url == url
-        self.replicas[replica_id] = ReplicaState(ReplicaStats(replica_id), url)
+        self.replicas[replica_id] = self._replica_state(replica_id, url)
         self.replicas = dict(sorted(self.replicas.items()))
         self._event(replica=replica_id, joined=url)
         return True
 
     def _failed(self, r: ReplicaState, e: BaseException) -> None:
-        if isinstance(e, httpx.ConnectError):
+        if isinstance(e, (httpx.ConnectError, ConnectionRefusedError)):
             self._suspect_now(r, f"connection refused ({e})")
         self._event(replica=r.stats.replica_id, failed=f"{type(e).__name__}: {e}"[:200])
         ejected, why = after_failure(time.monotonic(), r.stats, self.cfg.policy)
@@ -255,32 +267,36 @@ class Router:
             self._event(replica=r.stats.replica_id, ejected=True, reason=why)
 
     # --- unary ---------------------------------------------------------------------------------
-    async def _attempt(self, r: ReplicaState, path: str, body: dict[str, Any]) -> tuple[int, Any, str]:
+    async def _attempt(self, r: ReplicaState, path: str, body: bytes) -> tuple[int, Any, str]:
+        """One try; a 200 answer comes back as the replica's bytes (checked to be a JSON object, passed
+        through without re-encoding), any other as the parsed error object."""
         r.stats.outstanding += 1
         t0 = time.monotonic()
         r.stats.inflight_since_s.append(t0)
         try:
-            resp = await self.client.post(r.url + path, json=body, timeout=httpx.Timeout(
-                self.cfg.request_timeout_s, connect=0.5))
-            payload = resp.json()
-        except (httpx.HTTPError, ValueError) as e:
+            resp = await r.conns.post(path, body, self.cfg.request_timeout_s)
+            payload = json.loads(resp.body)
+        except (OSError, asyncio.IncompleteReadError, ValueError) as e:  # OSError: refused, reset, timed out, garbage
             self._failed(r, e)
-            gone = isinstance(e, (httpx.ConnectError, httpx.RemoteProtocolError))
+            gone = isinstance(e, (ConnectionRefusedError, ConnectionResetError, BrokenPipeError,
+                                  asyncio.IncompleteReadError))
             raise AttemptFailed(f"{r.stats.replica_id}: {type(e).__name__}: {e}", gone) from e
         finally:
             r.stats.outstanding -= 1
             r.stats.inflight_since_s.remove(t0)
-        if resp.status_code >= 500 or resp.status_code == 429 or not isinstance(payload, dict):
-            self._failed(r, RuntimeError(str(resp.status_code)))
+        if resp.status >= 500 or resp.status == 429 or not isinstance(payload, dict):
+            self._failed(r, RuntimeError(str(resp.status)))
             draining = isinstance(payload, dict) and (payload.get("error") or {}).get("code") == "draining"
-            raise AttemptFailed(f"{r.stats.replica_id}: HTTP {resp.status_code}", draining)
-        if resp.status_code == 200:
+            raise AttemptFailed(f"{r.stats.replica_id}: HTTP {resp.status}", draining)
+        if resp.status == 200:
             r.stats.observe(time.monotonic() - t0, self.cfg.policy.ewma_alpha)
-        return resp.status_code, payload, resp.headers.get(VERSION_HEADER, r.version)
+            return 200, resp.body, resp.headers.get(VERSION_HEADER, r.version)
+        return resp.status, payload, resp.headers.get(VERSION_HEADER, r.version)
 
     async def unary(self, path: str, body: dict[str, Any], session: str | None = None) -> tuple[int, Any, str]:
         tried: set[str] = set()
         last, gone = "no attempt", False
+        data = json.dumps(body, separators=(",", ":")).encode()  # once, whatever the number of tries
         for attempt in range(self.cfg.attempts_max):
             if attempt:
                 ok, why = may_retry(self.active, self.retries_in_flight, attempt, self.cfg.policy, self.cfg.attempts_max,
@@ -302,7 +318,7 @@ class Router:
                 self.retries_in_flight += 1
                 self.metrics.retries.labels(r.stats.replica_id).inc()
             try:
-                status, payload, version = await self._hedged(r, path, body, tried, session)
+                status, payload, version = await self._hedged(r, path, data, tried, session)
                 if status == 200:
                     self.observe_version(session, version)
                 return status, payload, version
@@ -314,7 +330,7 @@ class Router:
         return 503, {"error": {"message": f"no replica could serve the request ({last})", "type": "server_error",
                                "param": None, "code": "replicas_unavailable"}}, ""
 
-    async def _hedged(self, r: ReplicaState, path: str, body: dict[str, Any], tried: set[str], session: str | None
+    async def _hedged(self, r: ReplicaState, path: str, body: bytes, tried: set[str], session: str | None
                       ) -> tuple[int, Any, str]:
         primary = asyncio.ensure_future(self._attempt(r, path, body))
         tasks = {primary}

@@ -65,7 +65,8 @@ class RouterHttp:
         if status == 200:
             self.router.metrics.latency.labels(path).observe(time.monotonic() - t0)
             self.router.history.add(time.monotonic() - t0)
-            return JSONResponse(payload, status_code=status, headers={"X-Phalanx-Model-Version": version})
+            return Response(payload, status_code=status, media_type="application/json",
+                            headers={"X-Phalanx-Model-Version": version})  # the replica's bytes, not re-encoded
         return JSONResponse(payload, status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
 
     async def _stream(self, path: str, body: dict[str, Any], chat: bool, t0: float, session: str | None) -> Response:
@@ -175,6 +176,7 @@ class RouterHttp:
         finally:
             task.cancel()
             await self.router.client.aclose()
+            self.router.close_connections()
 
 
 
