@@ -18,9 +18,13 @@ class SimHost:
         self.rng = random.Random(f"host:{seed}:{node.name}:{node.incarnation}")
         self.transport = SimTransport(net, node)
         self._on_log = on_log
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()  # the virtual clock
+        loop = self._loop
+        if loop is None:  # the simulation's loop, found once (a host is made before or on it)
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.time()  # the virtual clock
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)

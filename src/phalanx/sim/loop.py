@@ -7,8 +7,8 @@ order drawn from the seeded RNG, which shakes out ordering assumptions while sta
 
 It is not asyncio's ``BaseEventLoop``: that loop pays, per callback, a ``Handle`` object with a
 debug check, a Python ``__lt__`` for every heap comparison, and a selector round per iteration. Here
-a ready callback is a tuple, a timer is a slotted object kept in the heap as ``(when, seq, timer)``
-(compared in C), and an iteration is a few lines. What asyncio's own Futures and Tasks (the C
+a ready callback is a tuple, a timer is a list that is its own heap entry (built and compared in
+C), and an iteration is a few lines. What asyncio's own Futures and Tasks (the C
 implementations) and the stdlib helpers need from a loop is here: ``call_soon``, ``call_at``,
 ``call_later``, ``create_future``, ``create_task`` with a task factory, ``time``, the exception
 handler, ``run_until_complete``. ``call_soon`` returns None (nothing in the protocol, nor in the
@@ -33,43 +33,41 @@ from asyncio import events, futures, tasks
 
 _log = logging.getLogger(__name__)
 _copy_context = contextvars.copy_context
+_heappush, _heappop = heapq.heappush, heapq.heappop
 
 
 class SimDeadlock(RuntimeError):
     """Nothing is runnable and no timer is pending, but the awaited work has not finished."""
 
 
-class VirtualTimer:
-    """A scheduled callback: what ``call_at`` and ``call_later`` return (TimerHandle's interface)."""
+class VirtualTimer(list):  # type: ignore[type-arg]
+    """A scheduled callback: what ``call_at`` and ``call_later`` return (TimerHandle's interface).
 
-    __slots__ = ("_when", "_callback", "_args", "_context", "_cancelled", "_loop", "_scheduled")
+    It is its own heap entry, ``[when, seq, callback, args, context, loop, scheduled]``: built by
+    list's C constructor (no Python ``__init__`` per timer) and ordered by (when, seq) in C, seq
+    being unique. A cancelled timer's callback is None.
+    """
 
-    def __init__(self, when: float, callback: Callable[..., Any], args: tuple[Any, ...],
-                 context: contextvars.Context, loop: "VirtualTimeLoop") -> None:
-        self._when, self._callback, self._args, self._context = when, callback, args, context
-        self._cancelled = False
-        self._loop = loop
-        self._scheduled = True  # still in the heap
+    __slots__ = ()
 
     def cancel(self) -> None:
-        if not self._cancelled:
-            self._cancelled = True
-            if self._scheduled:
-                self._loop._cancelled_timers += 1
-            self._callback = self._args = None  # type: ignore[assignment]
+        if self[2] is not None:
+            self[2] = self[3] = None
+            if self[6]:
+                self[5]._cancelled_timers += 1
 
     def cancelled(self) -> bool:
-        return self._cancelled
+        return self[2] is None
 
     def when(self) -> float:
-        return self._when
+        return self[0]  # type: ignore[no-any-return]
 
     def get_context(self) -> contextvars.Context:
-        return self._context
+        return self[4]  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
-        state = "cancelled" if self._cancelled else getattr(self._callback, "__qualname__", repr(self._callback))
-        return f"<VirtualTimer when={self._when:.6f} {state}>"
+        cb = self[2]
+        return f"<VirtualTimer when={self[0]:.6f} {'cancelled' if cb is None else getattr(cb, '__qualname__', cb)}>"
 
 
 class VirtualTimeLoop(asyncio.AbstractEventLoop):
@@ -89,7 +87,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         self.timer_events = 0  # timers fired: the simulator's unit of work
         self.errors: list[str] = []  # unhandled task errors (other than cancellation at teardown)
         self._ready: deque[Any] = deque()  # (callback, args, context) tuples and fired VirtualTimers
-        self._heap: list[tuple[float, int, VirtualTimer]] = []
+        self._heap: list[VirtualTimer] = []
         self._seq = itertools.count()
         self._cancelled_timers = 0  # cancelled timers still in the heap
         self._stopping = False
@@ -115,13 +113,17 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
 
     def call_at(self, when: float, callback: Callable[..., Any], *args: Any,
                 context: contextvars.Context | None = None) -> VirtualTimer:
-        timer = VirtualTimer(when, callback, args, context if context is not None else _copy_context(), self)
-        heapq.heappush(self._heap, (when, next(self._seq), timer))
+        timer = VirtualTimer((when, next(self._seq), callback, args,
+                              context if context is not None else _copy_context(), self, True))
+        _heappush(self._heap, timer)
         return timer
 
     def call_later(self, delay: float, callback: Callable[..., Any], *args: Any,
                    context: contextvars.Context | None = None) -> VirtualTimer:
-        return self.call_at(self._vt + delay, callback, *args, context=context)
+        timer = VirtualTimer((self._vt + delay, next(self._seq), callback, args,
+                              context if context is not None else _copy_context(), self, True))
+        _heappush(self._heap, timer)
+        return timer
 
     def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any,
                              context: contextvars.Context | None = None) -> None:
@@ -132,9 +134,9 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         """Move every timer due now into the ready queue, shuffled; when nothing else is runnable
         (``to_next_timer``), first jump virtual time to the next live timer."""
         heap = self._heap
-        heappop = heapq.heappop
-        while heap and heap[0][2]._cancelled:  # drop cancelled timers at the head
-            heappop(heap)[2]._scheduled = False
+        heappop = _heappop
+        while heap and heap[0][2] is None:  # drop cancelled timers at the head
+            heappop(heap)[6] = False
             self._cancelled_timers -= 1
         if to_next_timer:
             if not heap:
@@ -147,14 +149,14 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
             return
         due: list[VirtualTimer] = []
         while heap and heap[0][0] < limit:  # as BaseEventLoop does
-            when, _, timer = heappop(heap)
-            timer._scheduled = False
-            if timer._cancelled:
+            timer = heappop(heap)
+            timer[6] = False
+            if timer[2] is None:
                 self._cancelled_timers -= 1
                 continue
             due.append(timer)
-            if when > self._vt:
-                self._vt = when  # within clock resolution: a due timer never runs before its time
+            if timer[0] > self._vt:
+                self._vt = timer[0]  # within clock resolution: a due timer never runs before its time
         if len(due) > 1:
             self.rng.shuffle(due)
         self.timer_events += len(due)
@@ -163,37 +165,44 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
     def _compact(self) -> None:
         """Rebuild the heap without its cancelled timers once they are most of it."""
         live = []
-        for entry in self._heap:
-            if entry[2]._cancelled:
-                entry[2]._scheduled = False
+        for timer in self._heap:
+            if timer[2] is None:
+                timer[6] = False
             else:
-                live.append(entry)
+                live.append(timer)
         heapq.heapify(live)
         self._heap = live
         self._cancelled_timers = 0
 
     def _run_once(self) -> None:
-        """One iteration: due timers join the ready queue (jumping virtual time when nothing else is
-        runnable), then what was ready when the iteration began runs, as BaseEventLoop does."""
+        """One virtual instant: due timers join the ready queue (jumping virtual time when nothing
+        else is runnable), then the ready queue runs until it is empty, callbacks scheduled by
+        callbacks included, since virtual time cannot move while they run. (BaseEventLoop runs
+        only what was ready when its iteration began, and pays one iteration per hop of every
+        timer -> future -> task chain.) A timer due at this same instant but scheduled during the
+        drain waits for the next one; ``stop()`` ends the drain at once."""
         if self._cancelled_timers > 100 and self._cancelled_timers * 2 > len(self._heap):
             self._compact()
         ready = self._ready
         self._advance(not ready and not self._stopping)
         popleft = ready.popleft
-        for _ in range(len(ready)):
+        while ready:
             item = popleft()
             if item.__class__ is tuple:
                 callback, args, context = item
-            elif item._cancelled:
-                continue
             else:
-                callback, args, context = item._callback, item._args, item._context
+                callback = item[2]
+                if callback is None:  # cancelled after it fell due
+                    continue
+                args, context = item[3], item[4]
             try:
                 context.run(callback, *args)
             except (SystemExit, KeyboardInterrupt):
                 raise
             except BaseException as exc:
                 self.call_exception_handler({"message": f"Exception in callback {callback!r}", "exception": exc})
+            if self._stopping:
+                break
 
     # ---- running ----
     def run_forever(self) -> None:

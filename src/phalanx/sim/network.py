@@ -276,6 +276,7 @@ class SimConnection:
         self._sent_seq = 0  # frames (and the FIN) numbered as sent ...
         self._delivered_seq = 0  # ... and checked as delivered: TCP never reorders a connection
         self._held = False
+        self._loop = asyncio.get_running_loop()
         local.connections.add(self)
 
     @property
@@ -289,8 +290,7 @@ class SimConnection:
         bufs = [memoryview(bytes(b)) for b in buffers]  # the receiver gets its own copy
         nbytes = len(msgspec.msgpack.encode(message)) + sum(b.nbytes for b in bufs) + 40
         self.net.messages_sent += 1
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = self._loop.time()
         # max(): a frame is readable only after every frame before it (head-of-line blocking)
         at = max(now + self.net.transmit(self.local, self.remote, nbytes, now), self._last_delivery_s)
         self._enqueue(at, (message, bufs))
@@ -300,7 +300,7 @@ class SimConnection:
         self._last_delivery_s = at
         self._sent_seq += 1
         self._pending.append((at, self._sent_seq, item))
-        asyncio.get_running_loop().call_at(at, self._pump, self.local.incarnation)
+        self._loop.call_at(at, self._pump, self.local.incarnation)
 
     def _pump(self, incarnation: int) -> None:
         """Deliver due messages strictly in order (TCP): same-instant timers may run in any order,
@@ -309,7 +309,7 @@ class SimConnection:
         if other is None or other._closed or incarnation != self.local.incarnation:
             self._pending.clear()
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         now = loop.time()
         while self._pending and self._pending[0][0] <= now:
             if not self.net.can_send(self.local, self.remote):
@@ -351,7 +351,7 @@ class SimConnection:
         if self._closed and not inbox:
             raise ConnectionClosed(f"connection to {self.peer} is closed ({self.close_reason})")
         while not inbox:
-            reader = asyncio.get_running_loop().create_future()
+            reader = self._loop.create_future()
             self._readers.append(reader)
             try:
                 await reader

@@ -244,7 +244,8 @@ class WorkerAgent(Healing):
                                            has_state=self.has_state, total_steps=total_steps))
         limit_s = self.cfg.quorum_timeout_s if timeout_s is None else timeout_s
         try:
-            return await asyncio.wait_for(self._assignment, limit_s)
+            async with asyncio.timeout(limit_s):  # one timer; wait_for adds a future and a task per call
+                return await self._assignment
         except asyncio.TimeoutError as e:
             if timeout_s is not None:
                 try:
@@ -317,7 +318,8 @@ class WorkerAgent(Healing):
                                        compute_s=compute_s, allreduce_s=self.host.now() - t0,
                                        next_step=next_step if ok else -1))
         try:
-            d = await asyncio.wait_for(self._decisions[key], self.cfg.decision_timeout_s)
+            async with asyncio.timeout(self.cfg.decision_timeout_s):
+                d = await self._decisions[key]
         except asyncio.TimeoutError as e:
             raise PeerTimeout(f"no commit decision for step {a.step} within {self.cfg.decision_timeout_s:.0f} s") from e
         finally:
