@@ -239,5 +239,5 @@ def _plot(g: dict[str, Any]) -> bytes:
     ax.set_xlabel("workers")
     ax.set_ylabel("scaling efficiency")
     ax.set_title("efficiency vs workers by link latency (solid: overlap, dashed: no overlap; both measured)")
-    ax.legend(title="link latency", fontsize=7, ncol=2)
+    ax.legend(title="link latency", fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return png(fig)
