@@ -11,7 +11,8 @@ from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
 from phalanx.membership.quorum import QuorumConfig
 from phalanx.sim.host import SimHost
 from phalanx.sim.loop import run_virtual
-from phalanx.sim.network import SimNetwork, SimTransport
+from phalanx.sim.connection import SimTransport
+from phalanx.sim.network import SimNetwork
 
 
 def _run(scenario, **cfg):

@@ -6,7 +6,8 @@ import asyncio
 import pytest
 
 from phalanx.sim.loop import run_virtual
-from phalanx.sim.network import Impairment, LinkModel, SimNetwork, SimTransport
+from phalanx.sim.connection import SimTransport
+from phalanx.sim.network import Impairment, LinkModel, SimNetwork
 
 
 def _stream(link: LinkModel, messages: int = 400, seed: int = 1, gap_s: float = 0.0005):

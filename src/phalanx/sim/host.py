@@ -7,7 +7,8 @@ import random
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from phalanx.sim.network import SimNetwork, SimNode, SimTransport
+from phalanx.sim.connection import SimTransport
+from phalanx.sim.network import SimNetwork, SimNode
 
 
 class SimHost:

@@ -337,10 +337,8 @@ class WorkerAgent(Healing):
     async def _race_broken(self, a: Assignment, coro: Any) -> Any:
         """Run ``coro`` unless the coordinator declares this quorum broken (or is lost) first.
 
-        The work runs as one task that ``_interrupt`` cancels, rather than racing three tasks in an
-        ``asyncio.wait``: this runs for every member on every step, thousands of times per
-        simulated second at scale. A cancellation from outside (e.g. a simulated crash) is never
-        turned into a QuorumBroken: it propagates.
+        One task that ``_interrupt`` cancels (not three raced in an ``asyncio.wait``: this runs for
+        every member on every step). A cancellation from outside (a simulated crash) propagates.
         """
         work = asyncio.ensure_future(coro)
         if self._lost.is_set() or self._broken_event(a.quorum_id).is_set():
