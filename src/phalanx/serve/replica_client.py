@@ -4,6 +4,7 @@ Why not httpx here: its connection pool checks every pooled connection (``has_ex
 poll and ``getpeername`` each) on every request, which was half of the router's 5 ms of CPU per
 request at 200 req/s. A replica is one host; requests are small JSON bodies with a Content-Length
 answer; so a list of idle connections per replica, reused last-in first-out, is all it takes.
+Health polls use it too (10 a second per replica: through httpx they cost as much as 25 requests).
 Streams keep using httpx (its cost is spread over a whole generation).
 
 A connection is returned to the pool only after a complete response; a cancelled request (a hedge
@@ -49,9 +50,16 @@ class ReplicaConnections:
         self.idle: list[Conn] = []
 
     async def post(self, path: str, body: bytes, timeout_s: float, connect_timeout_s: float = 0.5) -> RawResponse:
-        """One POST. Raises ConnectionRefusedError (nothing listens: the replica is gone), ConnectionError or
+        return await self.request(b"POST", path, body, timeout_s, connect_timeout_s)
+
+    async def get(self, path: str, timeout_s: float) -> RawResponse:
+        return await self.request(b"GET", path, b"", timeout_s, timeout_s)
+
+    async def request(self, method: bytes, path: str, body: bytes, timeout_s: float, connect_timeout_s: float
+                      ) -> RawResponse:
+        """One request. Raises ConnectionRefusedError (nothing listens: the replica is gone), ConnectionError or
         asyncio.IncompleteReadError (dropped mid-request), TimeoutError, ReplicaProtocolError."""
-        head = self._head(path, body)
+        head = self._head(method, path, body)
         for reused in (True, False):  # a pooled connection the replica closed while idle: once more on a fresh one
             conn = self.idle.pop() if reused and self.idle else None
             if conn is None:
@@ -76,12 +84,12 @@ class ReplicaConnections:
             return resp
         raise AssertionError("unreachable: the second pass uses a fresh connection and returns or raises")
 
-    def _head(self, path: str, body: bytes) -> bytes:
+    def _head(self, method: bytes, path: str, body: bytes) -> bytes:
         target = path.encode()
-        lines = [b"POST " + target + b" HTTP/1.1", b"host: " + self.host_header, b"content-type: application/json",
+        lines = [method + b" " + target + b" HTTP/1.1", b"host: " + self.host_header, b"content-type: application/json",
                  b"content-length: " + str(len(body)).encode()]
         if self.token is not None:
-            lines.append(AUTH_HEADER.encode() + b": " + sign_request(self.token, b"POST", target, body, time.time(),
+            lines.append(AUTH_HEADER.encode() + b": " + sign_request(self.token, method, target, body, time.time(),
                                                                       new_nonce()).encode())
         return b"\r\n".join(lines) + b"\r\n\r\n"
 

@@ -157,18 +157,18 @@ class Router:
 
     async def _poll(self, r: ReplicaState) -> None:
         try:
-            resp = await self.client.get(r.url + "/health", timeout=self.cfg.detector.heartbeat_timeout_s / 2)
-            h = resp.json()
+            resp = await r.conns.get("/health", self.cfg.detector.heartbeat_timeout_s / 2)
+            h = json.loads(resp.body)
             steps, busy = int(h["steps"]), int(h["batch_size"]) + int(h.get("queue_depth", 0)) > 0
             step_time_s = float(h.get("step_time_s", 0.0))
             if isinstance(h.get("version"), str) and h["version"] != r.version:
                 r.version = h["version"]
                 self.book.learn(r.version)
-            if resp.status_code != 200 or h.get("draining") or h.get("loading"):
-                raise ValueError("draining" if h.get("draining") or h.get("loading") else f"HTTP {resp.status_code}")
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            if resp.status != 200 or h.get("draining") or h.get("loading"):
+                raise ValueError("draining" if h.get("draining") or h.get("loading") else f"HTTP {resp.status}")
+        except (OSError, asyncio.IncompleteReadError, ValueError, KeyError, TypeError, AttributeError) as e:
             r.good_polls = 0
-            if isinstance(e, httpx.ConnectError):
+            if isinstance(e, ConnectionRefusedError):
                 r.connected = False  # refused: the process is gone (a timeout only ages the heartbeat)
             return
         now = time.monotonic()
