@@ -43,30 +43,32 @@ class SimDeadlock(RuntimeError):
 class VirtualTimer(list):  # type: ignore[type-arg]
     """A scheduled callback: what ``call_at`` and ``call_later`` return (TimerHandle's interface).
 
-    It is its own heap entry, ``[when, seq, callback, args, context, loop, scheduled]``: built by
-    list's C constructor (no Python ``__init__`` per timer) and ordered by (when, seq) in C, seq
-    being unique. A cancelled timer's callback is None.
+    It is its own heap entry, ``[when, draw, seq, callback, args, context, loop, scheduled]``: built
+    by list's C constructor (no Python ``__init__`` per timer) and ordered in C by when, then by a
+    number drawn from the loop's seeded RNG (so timers due at the same instant run in a seeded
+    random order without a shuffle), then by seq, which is unique. A cancelled timer's callback
+    is None.
     """
 
     __slots__ = ()
 
     def cancel(self) -> None:
-        if self[2] is not None:
-            self[2] = self[3] = None
-            if self[6]:
-                self[5]._cancelled_timers += 1
+        if self[3] is not None:
+            self[3] = self[4] = None
+            if self[7]:
+                self[6]._cancelled_timers += 1
 
     def cancelled(self) -> bool:
-        return self[2] is None
+        return self[3] is None
 
     def when(self) -> float:
         return self[0]  # type: ignore[no-any-return]
 
     def get_context(self) -> contextvars.Context:
-        return self[4]  # type: ignore[no-any-return]
+        return self[5]  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
-        cb = self[2]
+        cb = self[3]
         return f"<VirtualTimer when={self[0]:.6f} {'cancelled' if cb is None else getattr(cb, '__qualname__', cb)}>"
 
 
@@ -84,6 +86,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
     def __init__(self, seed: int = 0) -> None:
         self._vt = 0.0
         self.rng = random.Random(f"loop:{seed}")
+        self._draw = self.rng.random  # the tie-break of same-instant timers (C, no shuffle pass)
         self.timer_events = 0  # timers fired: the simulator's unit of work
         self.errors: list[str] = []  # unhandled task errors (other than cancellation at teardown)
         self._ready: deque[Any] = deque()  # (callback, args, context) tuples and fired VirtualTimers
@@ -113,14 +116,14 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
 
     def call_at(self, when: float, callback: Callable[..., Any], *args: Any,
                 context: contextvars.Context | None = None) -> VirtualTimer:
-        timer = VirtualTimer((when, next(self._seq), callback, args,
+        timer = VirtualTimer((when, self._draw(), next(self._seq), callback, args,
                               context if context is not None else _copy_context(), self, True))
         _heappush(self._heap, timer)
         return timer
 
     def call_later(self, delay: float, callback: Callable[..., Any], *args: Any,
                    context: contextvars.Context | None = None) -> VirtualTimer:
-        timer = VirtualTimer((self._vt + delay, next(self._seq), callback, args,
+        timer = VirtualTimer((self._vt + delay, self._draw(), next(self._seq), callback, args,
                               context if context is not None else _copy_context(), self, True))
         _heappush(self._heap, timer)
         return timer
@@ -131,12 +134,13 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         self.call_soon(callback, *args, context=context)
 
     def _advance(self, to_next_timer: bool) -> None:
-        """Move every timer due now into the ready queue, shuffled; when nothing else is runnable
-        (``to_next_timer``), first jump virtual time to the next live timer."""
+        """Move every timer due now into the ready queue (same-instant timers in their drawn
+        order); when nothing else is runnable (``to_next_timer``), first jump virtual time to the
+        next live timer."""
         heap = self._heap
         heappop = _heappop
-        while heap and heap[0][2] is None:  # drop cancelled timers at the head
-            heappop(heap)[6] = False
+        while heap and heap[0][3] is None:  # drop cancelled timers at the head
+            heappop(heap)[7] = False
             self._cancelled_timers -= 1
         if to_next_timer:
             if not heap:
@@ -145,29 +149,26 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
             if when > self._vt:
                 self._vt = when
         limit = self._vt + self._clock_resolution
-        if not heap or heap[0][0] >= limit:
-            return
-        due: list[VirtualTimer] = []
+        append = self._ready.append
+        fired = 0
         while heap and heap[0][0] < limit:  # as BaseEventLoop does
             timer = heappop(heap)
-            timer[6] = False
-            if timer[2] is None:
+            timer[7] = False
+            if timer[3] is None:
                 self._cancelled_timers -= 1
                 continue
-            due.append(timer)
+            append(timer)
+            fired += 1
             if timer[0] > self._vt:
                 self._vt = timer[0]  # within clock resolution: a due timer never runs before its time
-        if len(due) > 1:
-            self.rng.shuffle(due)
-        self.timer_events += len(due)
-        self._ready.extend(due)
+        self.timer_events += fired
 
     def _compact(self) -> None:
         """Rebuild the heap without its cancelled timers once they are most of it."""
         live = []
         for timer in self._heap:
-            if timer[2] is None:
-                timer[6] = False
+            if timer[3] is None:
+                timer[7] = False
             else:
                 live.append(timer)
         heapq.heapify(live)
@@ -191,10 +192,10 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
             if item.__class__ is tuple:
                 callback, args, context = item
             else:
-                callback = item[2]
+                callback = item[3]
                 if callback is None:  # cancelled after it fell due
                     continue
-                args, context = item[3], item[4]
+                args, context = item[4], item[5]
             try:
                 context.run(callback, *args)
             except (SystemExit, KeyboardInterrupt):
