@@ -78,7 +78,7 @@ def test_router_in_consistent_mode_never_sends_a_session_back_to_an_older_versio
     assert {r._choose(frozenset(), "fresh").stats.replica_id for _ in range(50)} == {"r0", "r1"}
     r.replicas["r0"].admitting = False  # the only NEW replica is being swapped: the session waits, then 503
     with pytest.raises(VersionHeldBack):
-        asyncio.run(r._choose_waiting(frozenset(), "s"))
+        asyncio.run(r.choose_waiting(frozenset(), "s"))
     assert r.metrics.version_refusals._value.get() == 1
 
 

@@ -128,6 +128,17 @@ def register(sub: Any) -> None:
     rj.add_argument("--batch-size-max", type=int, default=32)
     rj.add_argument("--queue-depth-max", type=int, default=64)
     rj.set_defaults(fn=_replica)
+    lt = sub.add_parser("loadtest", help="load an OpenAI-compatible endpoint; latency and TTFT percentiles")
+    lt.add_argument("url")
+    g = lt.add_mutually_exclusive_group()
+    g.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
+    g.add_argument("--concurrency", type=int, default=4, help="closed loop: this many clients")
+    lt.add_argument("--duration", type=float, default=10.0)
+    lt.add_argument("--stream", action="store_true")
+    lt.add_argument("--max-tokens", type=int, default=16)
+    lt.add_argument("--out", default=None, help="write JSON results here")
+    lt.add_argument("--api-key", default=os.environ.get("PHALANX_API_KEY"), help="bearer key (default: $PHALANX_API_KEY)")
+    lt.set_defaults(fn=_loadtest)
 
 
 def _rollout(args: argparse.Namespace) -> int:
@@ -163,17 +174,6 @@ def _replica(args: argparse.Namespace) -> int:
         if v is not None:
             argv += [flag, str(v)]
     return replica_main(argv)
-    lt = sub.add_parser("loadtest", help="load an OpenAI-compatible endpoint; latency and TTFT percentiles")
-    lt.add_argument("url")
-    g = lt.add_mutually_exclusive_group()
-    g.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    g.add_argument("--concurrency", type=int, default=4, help="closed loop: this many clients")
-    lt.add_argument("--duration", type=float, default=10.0)
-    lt.add_argument("--stream", action="store_true")
-    lt.add_argument("--max-tokens", type=int, default=16)
-    lt.add_argument("--out", default=None, help="write JSON results here")
-    lt.add_argument("--api-key", default=os.environ.get("PHALANX_API_KEY"), help="bearer key (default: $PHALANX_API_KEY)")
-    lt.set_defaults(fn=_loadtest)
 
 
 def _sim_serve(args: argparse.Namespace) -> int:

@@ -69,7 +69,7 @@ async def roll_out(router: Router, checkpoint: str, cfg: RolloutConfig = Rollout
                         "took_s": round(time.monotonic() - t0, 3)}
             if not target:
                 target, checkpoint = step["version"], step["checkpoint"]  # the same checkpoint everywhere
-        router._event(rollout=target, took_s=round(time.monotonic() - t0, 3))
+        router.record_event(rollout=target, took_s=round(time.monotonic() - t0, 3))
         return {"ok": bool(target), "version": target or None, "checkpoint": checkpoint, "steps": steps,
                 "took_s": round(time.monotonic() - t0, 3), **({} if target else {"error": "no replica to swap"})}
 

@@ -3,9 +3,8 @@
 Decisions (which replica, retry, hedge, eject) come from ``routing_policy``; membership uses the
 training failure detector's heartbeat rule on /health polls, plus a progress rule (a replica with
 a running batch whose decode step count stands still is hung). This module is the thin driver:
-HTTP in, HTTP out, and the stream resumption that makes a dead replica invisible to a streaming
-client: the router re-sends prompt + text streamed so far (same seed) to another replica and keeps
-writing the same SSE stream.
+membership, choosing a replica (with the rollout's version constraints from ``versions``), unary
+requests with retries and hedging. Streams and their resumption are in ``stream_relay``.
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ import contextlib
 import json
 import random
 import time
-import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +141,7 @@ class Router:
     def stats(self) -> list[ReplicaStats]:
         return [r.stats for r in self.replicas.values()]
 
-    def _event(self, **kw: Any) -> None:
+    def record_event(self, **kw: Any) -> None:
         if len(self.events) < 10_000:
             self.events.append({"t_s": time.monotonic(), **kw})
 
@@ -191,20 +188,20 @@ class Router:
             elif r.good_polls >= (self.cfg.readmit_heartbeats if r.ever_healthy else 1):
                 r.stats.healthy = r.ever_healthy = True
             if was != r.stats.healthy:
-                self._event(replica=rid, healthy=r.stats.healthy, reason=suspects.get(rid, "heartbeats and progress"))
+                self.record_event(replica=rid, healthy=r.stats.healthy, reason=suspects.get(rid, "heartbeats and progress"))
             self.metrics.healthy.labels(rid).set(1 if r.stats.healthy else 0)
             self.metrics.version_rank.labels(rid).set(self.book.rank(r.version))
         for s, why in latency_outliers(now, self.stats(), self.cfg.policy):
             s.ejected_until_s = now + self.cfg.policy.ejection_s
             self.metrics.ejections.labels(s.replica_id, "latency").inc()
-            self._event(replica=s.replica_id, ejected=True, reason=why)
+            self.record_event(replica=s.replica_id, ejected=True, reason=why)
 
     def _suspect_now(self, r: ReplicaState, reason: str) -> None:
         """A request saw the replica refuse connections: out of rotation at once, not at the next poll."""
         if r.stats.healthy:
             r.stats.healthy = False
             r.good_polls = 0
-            self._event(replica=r.stats.replica_id, healthy=False, reason=reason)
+            self.record_event(replica=r.stats.replica_id, healthy=False, reason=reason)
 
     # --- choosing ------------------------------------------------------------------------------
     def _choose(self, exclude: frozenset[str], session: str | None = None, pinned: str | None = None) -> ReplicaState:
@@ -224,7 +221,7 @@ class Router:
             raise AttemptFailed("no healthy replica")
         return self.replicas[picked.replica_id]
 
-    async def _choose_waiting(self, exclude: frozenset[str], session: str | None = None, pinned: str | None = None
+    async def choose_waiting(self, exclude: frozenset[str], session: str | None = None, pinned: str | None = None
                               ) -> ReplicaState:
         """``_choose``, waiting up to ``version_wait_s`` while a rollout holds the request back."""
         deadline_s = time.monotonic() + self.cfg.version_wait_s
@@ -254,17 +251,17 @@ class Router:
             return self.replicas[replica_id].url == url
         self.replicas[replica_id] = self._replica_state(replica_id, url)
         self.replicas = dict(sorted(self.replicas.items()))
-        self._event(replica=replica_id, joined=url)
+        self.record_event(replica=replica_id, joined=url)
         return True
 
-    def _failed(self, r: ReplicaState, e: BaseException) -> None:
+    def note_failure(self, r: ReplicaState, e: BaseException) -> None:
         if isinstance(e, (httpx.ConnectError, ConnectionRefusedError)):
             self._suspect_now(r, f"connection refused ({e})")
-        self._event(replica=r.stats.replica_id, failed=f"{type(e).__name__}: {e}"[:200])
+        self.record_event(replica=r.stats.replica_id, failed=f"{type(e).__name__}: {e}"[:200])
         ejected, why = after_failure(time.monotonic(), r.stats, self.cfg.policy)
         if ejected:
             self.metrics.ejections.labels(r.stats.replica_id, "failures").inc()
-            self._event(replica=r.stats.replica_id, ejected=True, reason=why)
+            self.record_event(replica=r.stats.replica_id, ejected=True, reason=why)
 
     # --- unary ---------------------------------------------------------------------------------
     async def _attempt(self, r: ReplicaState, path: str, body: bytes) -> tuple[int, Any, str]:
@@ -277,7 +274,7 @@ class Router:
             resp = await r.conns.post(path, body, self.cfg.request_timeout_s)
             payload = json.loads(resp.body)
         except (OSError, asyncio.IncompleteReadError, ValueError) as e:  # OSError: refused, reset, timed out, garbage
-            self._failed(r, e)
+            self.note_failure(r, e)
             gone = isinstance(e, (ConnectionRefusedError, ConnectionResetError, BrokenPipeError,
                                   asyncio.IncompleteReadError))
             raise AttemptFailed(f"{r.stats.replica_id}: {type(e).__name__}: {e}", gone) from e
@@ -285,7 +282,7 @@ class Router:
             r.stats.outstanding -= 1
             r.stats.inflight_since_s.remove(t0)
         if resp.status >= 500 or resp.status == 429 or not isinstance(payload, dict):
-            self._failed(r, RuntimeError(str(resp.status)))
+            self.note_failure(r, RuntimeError(str(resp.status)))
             draining = isinstance(payload, dict) and (payload.get("error") or {}).get("code") == "draining"
             raise AttemptFailed(f"{r.stats.replica_id}: HTTP {resp.status}", draining)
         if resp.status == 200:
@@ -305,7 +302,7 @@ class Router:
                     break
                 await asyncio.sleep(backoff_s(attempt, self.rng))
             try:
-                r = await self._choose_waiting(frozenset(tried), session)
+                r = await self.choose_waiting(frozenset(tried), session)
             except VersionHeldBack as e:
                 return 503, {"error": {"message": f"{e}; retry shortly", "type": "server_error", "param": None,
                                        "code": "version_unavailable"}}, ""
@@ -368,134 +365,3 @@ class Router:
         finally:
             for t in tasks:
                 t.cancel()  # closes the loser's connection; its replica cancels the generation
-
-    # --- streaming -----------------------------------------------------------------------------
-    async def open_stream(self, path: str, body: dict[str, Any], exclude: frozenset[str], session: str | None = None,
-                          pinned: str | None = None) -> tuple[ReplicaState, httpx.Response]:
-        r = await self._choose_waiting(exclude, session, pinned)
-        r.stats.outstanding += 1
-        try:
-            req = self.client.build_request("POST", r.url + path, json=body, timeout=httpx.Timeout(
-                self.cfg.request_timeout_s, connect=0.5, read=self.cfg.stall_s * 2))
-            resp = await asyncio.wait_for(self.client.send(req, stream=True), self.cfg.stall_s * 2)
-        except (httpx.HTTPError, asyncio.TimeoutError) as e:
-            r.stats.outstanding -= 1
-            self._failed(r, e)
-            raise AttemptFailed(f"{r.stats.replica_id}: {type(e).__name__}") from e
-        return r, resp
-
-    async def stream(self, path: str, body: dict[str, Any], first: tuple[ReplicaState, httpx.Response],
-                     chat: bool, t0: float) -> AsyncIterator[bytes]:
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        text = ""
-        sent_any = False
-        current: tuple[ReplicaState, httpx.Response] | None = first
-        tried = {first[0].stats.replica_id}
-        pinned = first[1].headers.get(VERSION_HEADER) or first[0].version  # a resumed stream stays on these weights
-        finished = False
-        base = 0  # characters streamed before the current replica took over
-        opened_s = t0  # when the current replica's attempt was opened
-        try:
-            for attempt in range(self.cfg.attempts_max + 2):
-                if current is None:
-                    try:
-                        resumed = dict(body, phalanx_resume_text=text)
-                        base = len(text)
-                        opened_s = time.monotonic()
-                        current = await self.open_stream(path, resumed, frozenset(tried), pinned=pinned)
-                    except AttemptFailed:
-                        await asyncio.sleep(backoff_s(attempt, self.rng) + 0.05)
-                        tried.clear()
-                        continue
-                    tried.add(current[0].stats.replica_id)
-                    self.metrics.resumptions.inc()
-                r, resp = current
-                measured = False
-                try:
-                    if resp.status_code != 200:
-                        raise AttemptFailed(f"HTTP {resp.status_code}")
-                    async for chunk in self._relay(r, resp):
-                        if chunk is None:
-                            finished = True
-                            break
-                        if not measured:  # a stream teaches the replica's EWMA its time to first token
-                            r.stats.observe(time.monotonic() - opened_s, self.cfg.policy.ewma_alpha)
-                            measured = True
-                        out = self._rewrite(chunk, rid, created, sent_any, base)
-                        for c in chunk.get("choices") or []:
-                            text += c.get("text") or (c.get("delta") or {}).get("content") or ""
-                        if not sent_any:
-                            self.metrics.ttft.labels(path).observe(time.monotonic() - t0)
-                        sent_any = True
-                        yield b"data: " + json.dumps(out).encode() + b"\n\n"
-                except (AttemptFailed, httpx.HTTPError, ValueError) as e:
-                    self._failed(r, e)
-                finally:
-                    r.stats.outstanding -= 1
-                    await resp.aclose()
-                    current = None
-                if finished:
-                    break
-            if finished:
-                yield b"data: [DONE]\n\n"
-                self.metrics.latency.labels(path).observe(time.monotonic() - t0)
-                self.history.add(time.monotonic() - t0)
-            else:
-                err = {"error": {"message": "stream could not be completed on any replica", "type": "server_error",
-                                 "param": None, "code": "replicas_unavailable"}}
-                yield b"data: " + json.dumps(err).encode() + b"\n\n"
-        finally:
-            if current is not None:
-                current[0].stats.outstanding -= 1
-                await current[1].aclose()
-
-    async def _relay(self, r: ReplicaState, resp: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
-        """Chunks from one replica; raises AttemptFailed when it stalls or is voted out mid-stream."""
-        lines = resp.aiter_lines()
-        pending: asyncio.Future[str] | None = None
-        stalled_since = time.monotonic()
-        try:
-            while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(lines.__anext__())
-                done, _ = await asyncio.wait({pending}, timeout=0.05)
-                if not done:
-                    # a straggler's steps are slow, not stalled: the limit scales with its own step time
-                    stall_s = max(self.cfg.stall_s, self.cfg.progress_steps_max * r.step_time_s)
-                    if not r.stats.healthy or time.monotonic() - stalled_since > stall_s:
-                        raise AttemptFailed(f"{r.stats.replica_id} stalled or left rotation mid-stream")
-                    continue
-                try:
-                    line = pending.result()
-                except StopAsyncIteration:
-                    raise AttemptFailed(f"{r.stats.replica_id} closed the stream early") from None
-                pending = None
-                stalled_since = time.monotonic()
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    yield None
-                    return
-                chunk = json.loads(data)
-                if not isinstance(chunk, dict) or "error" in chunk:
-                    raise AttemptFailed(f"{r.stats.replica_id} sent an error or garbage mid-stream")
-                yield chunk
-        finally:
-            if pending is not None:
-                pending.cancel()
-
-    def _rewrite(self, chunk: dict[str, Any], rid: str, created: int, sent_any: bool, resumed_chars: int) -> dict[str, Any]:
-        out = dict(chunk, id=rid, created=created, model=self.cfg.model_name)
-        out.pop("phalanx_token_ids", None)
-        if sent_any:
-            for c in out.get("choices") or []:
-                if isinstance(c.get("delta"), dict):
-                    c["delta"].pop("role", None)
-        if isinstance(out.get("usage"), dict) and resumed_chars:
-            u = dict(out["usage"])
-            u["completion_tokens"] = u.get("completion_tokens", 0) + resumed_chars
-            u["total_tokens"] = u.get("prompt_tokens", 0) + u["completion_tokens"]
-            out["usage"] = u
-        return out

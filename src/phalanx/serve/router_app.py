@@ -20,6 +20,7 @@ from phalanx.serve.errors import BadRequest, Overloaded, ServeError, UnknownMode
 from phalanx.serve.replica_app import error_response, read_json_body, serve_error_response
 from phalanx.serve.request_auth import ClusterTokenOnAdmin, RequireApiKey
 from phalanx.serve.rollout import RolloutBusy, roll_out
+from phalanx.serve.stream_relay import open_stream, relay_stream
 from phalanx.serve.router import VERSION_HEADER, AttemptFailed, Router, VersionHeldBack
 from phalanx.serve.versions import SESSION_HEADER, session_of
 from phalanx.serve.routing_policy import backoff_s
@@ -73,7 +74,7 @@ class RouterHttp:
         first = None
         for attempt in range(self.cfg.attempts_max):
             try:
-                first = await self.router.open_stream(path, body, frozenset(), session)
+                first = await open_stream(self.router, path, body, frozenset(), session)
             except VersionHeldBack as e:
                 self.router.active -= 1
                 return error_response(503, f"{e}; retry shortly", "server_error", "version_unavailable",
@@ -103,7 +104,7 @@ class RouterHttp:
 
         async def body_iter() -> AsyncIterator[bytes]:
             try:
-                async for b in self.router.stream(path, body, first, chat, t0):
+                async for b in relay_stream(self.router, path, body, first, chat, t0):
                     yield b
             finally:
                 self.router.active -= 1

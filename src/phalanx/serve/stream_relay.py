@@ -1,0 +1,149 @@
+"""Streams through the router: open one on a replica, relay its SSE chunks to the client, and when the
+replica dies, stalls or is voted out mid-stream, resume it elsewhere: prompt + text streamed so far
+(``phalanx_resume_text``, same seed) on a replica serving the same version, writing the same SSE
+stream. The client sees one uninterrupted stream, identical to a fault-free run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from phalanx.serve.router import VERSION_HEADER, AttemptFailed, ReplicaState, Router
+from phalanx.serve.routing_policy import backoff_s
+
+
+async def open_stream(router: Router, path: str, body: dict[str, Any], exclude: frozenset[str], session: str | None = None,
+                      pinned: str | None = None) -> tuple[ReplicaState, httpx.Response]:
+    r = await router.choose_waiting(exclude, session, pinned)
+    r.stats.outstanding += 1
+    try:
+        req = router.client.build_request("POST", r.url + path, json=body, timeout=httpx.Timeout(
+            router.cfg.request_timeout_s, connect=0.5, read=router.cfg.stall_s * 2))
+        resp = await asyncio.wait_for(router.client.send(req, stream=True), router.cfg.stall_s * 2)
+    except (httpx.HTTPError, asyncio.TimeoutError) as e:
+        r.stats.outstanding -= 1
+        router.note_failure(r, e)
+        raise AttemptFailed(f"{r.stats.replica_id}: {type(e).__name__}") from e
+    return r, resp
+
+async def relay_stream(router: Router, path: str, body: dict[str, Any], first: tuple[ReplicaState, httpx.Response],
+                 chat: bool, t0: float) -> AsyncIterator[bytes]:
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    text = ""
+    sent_any = False
+    current: tuple[ReplicaState, httpx.Response] | None = first
+    tried = {first[0].stats.replica_id}
+    pinned = first[1].headers.get(VERSION_HEADER) or first[0].version  # a resumed stream stays on these weights
+    finished = False
+    base = 0  # characters streamed before the current replica took over
+    opened_s = t0  # when the current replica's attempt was opened
+    try:
+        for attempt in range(router.cfg.attempts_max + 2):
+            if current is None:
+                try:
+                    resumed = dict(body, phalanx_resume_text=text)
+                    base = len(text)
+                    opened_s = time.monotonic()
+                    current = await open_stream(router, path, resumed, frozenset(tried), pinned=pinned)
+                except AttemptFailed:
+                    await asyncio.sleep(backoff_s(attempt, router.rng) + 0.05)
+                    tried.clear()
+                    continue
+                tried.add(current[0].stats.replica_id)
+                router.metrics.resumptions.inc()
+            r, resp = current
+            measured = False
+            try:
+                if resp.status_code != 200:
+                    raise AttemptFailed(f"HTTP {resp.status_code}")
+                async for chunk in _relay(router, r, resp):
+                    if chunk is None:
+                        finished = True
+                        break
+                    if not measured:  # a stream teaches the replica's EWMA its time to first token
+                        r.stats.observe(time.monotonic() - opened_s, router.cfg.policy.ewma_alpha)
+                        measured = True
+                    out = _rewrite(router, chunk, rid, created, sent_any, base)
+                    for c in chunk.get("choices") or []:
+                        text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+                    if not sent_any:
+                        router.metrics.ttft.labels(path).observe(time.monotonic() - t0)
+                    sent_any = True
+                    yield b"data: " + json.dumps(out).encode() + b"\n\n"
+            except (AttemptFailed, httpx.HTTPError, ValueError) as e:
+                router.note_failure(r, e)
+            finally:
+                r.stats.outstanding -= 1
+                await resp.aclose()
+                current = None
+            if finished:
+                break
+        if finished:
+            yield b"data: [DONE]\n\n"
+            router.metrics.latency.labels(path).observe(time.monotonic() - t0)
+            router.history.add(time.monotonic() - t0)
+        else:
+            err = {"error": {"message": "stream could not be completed on any replica", "type": "server_error",
+                             "param": None, "code": "replicas_unavailable"}}
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+    finally:
+        if current is not None:
+            current[0].stats.outstanding -= 1
+            await current[1].aclose()
+
+async def _relay(router: Router, r: ReplicaState, resp: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
+    """Chunks from one replica; raises AttemptFailed when it stalls or is voted out mid-stream."""
+    lines = resp.aiter_lines()
+    pending: asyncio.Future[str] | None = None
+    stalled_since = time.monotonic()
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(lines.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=0.05)
+            if not done:
+                # a straggler's steps are slow, not stalled: the limit scales with its own step time
+                stall_s = max(router.cfg.stall_s, router.cfg.progress_steps_max * r.step_time_s)
+                if not r.stats.healthy or time.monotonic() - stalled_since > stall_s:
+                    raise AttemptFailed(f"{r.stats.replica_id} stalled or left rotation mid-stream")
+                continue
+            try:
+                line = pending.result()
+            except StopAsyncIteration:
+                raise AttemptFailed(f"{r.stats.replica_id} closed the stream early") from None
+            pending = None
+            stalled_since = time.monotonic()
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                yield None
+                return
+            chunk = json.loads(data)
+            if not isinstance(chunk, dict) or "error" in chunk:
+                raise AttemptFailed(f"{r.stats.replica_id} sent an error or garbage mid-stream")
+            yield chunk
+    finally:
+        if pending is not None:
+            pending.cancel()
+
+def _rewrite(router: Router, chunk: dict[str, Any], rid: str, created: int, sent_any: bool, resumed_chars: int) -> dict[str, Any]:
+    out = dict(chunk, id=rid, created=created, model=router.cfg.model_name)
+    out.pop("phalanx_token_ids", None)
+    if sent_any:
+        for c in out.get("choices") or []:
+            if isinstance(c.get("delta"), dict):
+                c["delta"].pop("role", None)
+    if isinstance(out.get("usage"), dict) and resumed_chars:
+        u = dict(out["usage"])
+        u["completion_tokens"] = u.get("completion_tokens", 0) + resumed_chars
+        u["total_tokens"] = u.get("prompt_tokens", 0) + u["completion_tokens"]
+        out["usage"] = u
+    return out
