@@ -158,3 +158,86 @@ def test_a_held_allreduce_cancelled_by_a_broken_quorum_abandons_the_group():
 
     g, _ = run_virtual(main())
     assert g.abandoned and g.calls == []
+
+
+class StartableGroup(FakeGroup):
+    """Records when and in which order started collectives reached it; each completes at once."""
+
+    def __init__(self, quorum_id, rank, world_size):
+        super().__init__(quorum_id, rank, world_size)
+        self.started: list[tuple[float, int]] = []
+
+    def start_allreduce_sum(self, tensor, share=1.0):
+        self.started.append((asyncio.get_running_loop().time(), tensor.size))
+        group = self
+
+        class Done:
+            async def wait(self, timeout_s):
+                return None
+        return Done() if not group.abandoned else None
+
+
+class StartableFactory(FakeFactory):
+    async def create(self, quorum_id, rank, world_size, timeout_s):
+        self.groups.append(StartableGroup(quorum_id, rank, world_size))
+        return self.groups[-1]
+
+
+def _startable(members=MEMBERS):
+    loop = asyncio.get_running_loop()
+    cond = NetworkConditions("w0", random.Random(0))
+    inner = StartableFactory()
+    return cond, inner, FaultyProcessGroupFactory(inner, cond, lambda q: members, loop.time, asyncio.sleep)
+
+
+def test_a_bucket_started_early_on_degraded_links_pays_its_delay_while_the_step_computes():
+    # Overlap hides injected latency as it hides real latency: a bucket started at t=0 over links
+    # that add 0.06 s is issued at 0.06 s, during a 0.5 s compute; waiting at 0.5 s costs nothing.
+    async def main():
+        cond, inner, factory = _startable()
+        pg = await factory.create(7, 0, 4, 5.0)
+        cond.set_effect("latency", LinkEffect(latency_s=0.01, distribution="constant"))
+        pending = pg.start_allreduce_sum(np.zeros(8, np.float32))
+        await asyncio.sleep(0.5)  # backward goes on
+        took, err = await _elapsed(pending.wait(5.0))
+        return took, err, inner.groups[0].started
+
+    (took, err, started), _ = run_virtual(main())
+    assert err is None and took == 0.0
+    assert [t for t, _ in started] == [pytest.approx(6 * 0.01)]
+
+
+def test_started_collectives_enter_the_group_in_the_order_they_were_started_whatever_their_delays():
+    # The second bucket is small (a shorter delay) and the third starts after the links are clean:
+    # both still wait for the first, or ranks would enter Gloo's collectives in different orders.
+    async def main():
+        cond, inner, factory = _startable()
+        pg = await factory.create(7, 0, 4, 10.0)
+        cond.set_effect("bandwidth", LinkEffect(bandwidth_bytes_per_s=1e6))
+        big = pg.start_allreduce_sum(np.zeros(250_000, np.float32))  # 1 MB: 1.5 s
+        small = pg.start_allreduce_sum(np.zeros(250, np.float32))  # 1 kB: 1.5 ms
+        cond.clear_effect("bandwidth")
+        clean = pg.start_allreduce_sum(np.zeros(25, np.float32))
+        for p in (big, small, clean):
+            await p.wait(10.0)
+        after = pg.start_allreduce_sum(np.zeros(5, np.float32))  # nothing queued: straight in
+        return inner.groups[0].started, after
+
+    (started, after), _ = run_virtual(main())
+    assert [n for _, n in started] == [250_000, 250, 25, 5]
+    assert [t for t, _ in started][:3] == [pytest.approx(1.5), pytest.approx(1.5015), pytest.approx(1.5015)]
+    assert after is not None
+
+
+def test_a_started_collective_past_its_deadline_fails_and_abandons_the_group():
+    async def main():
+        cond, inner, factory = _startable()
+        pg = await factory.create(7, 0, 4, 2.0)
+        cond.set_effect("bandwidth", LinkEffect(bandwidth_bytes_per_s=1e5))
+        pending = pg.start_allreduce_sum(np.zeros(250_000, np.float32))  # 15 s of delay
+        took, err = await _elapsed(pending.wait(2.0))
+        await asyncio.sleep(20.0)  # the delayed issue never reaches the abandoned group
+        return took, err, inner.groups[0]
+
+    (took, err, g), _ = run_virtual(main())
+    assert isinstance(err, CollectiveError) and took == pytest.approx(2.0) and g.abandoned and g.started == []

@@ -5,7 +5,11 @@ so network faults on the data plane are decided here, at the seam, from the same
 node's FaultyTransport uses:
 
 - an all-reduce over degraded links is delayed by the ring's alpha-beta cost of those links
-  (2(n-1) messages paying latency and lost segments' RTOs, plus 2(n-1)/n x bytes / bandwidth);
+  (2(n-1) messages paying latency and lost segments' RTOs, plus 2(n-1)/n x bytes / bandwidth).
+  One started early (a gradient bucket launched from backward's hooks) pays its delay from the
+  moment it is started, on the control loop, while backward goes on, so overlap hides injected
+  latency as it hides real latency; started collectives still enter Gloo in the order they were
+  started (a delayed one holds back every later one until it is issued);
 - a collective (or a group formation) that starts with a member on the other side of an active
   partition fails the way a real one does: at its deadline, with ``CollectiveError``, even if the
   partition heals meanwhile (as in the simulator: the ranks never met). The real collective is
@@ -18,6 +22,7 @@ node's FaultyTransport uses:
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -65,6 +70,13 @@ class FaultyProcessGroup:
         self._peers = peers  # the other members (None: unknown)
         self._now, self._sleep = now, sleep
         self._abandoned = False
+        try:  # the control loop: delayed collectives wait out their delay there
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._order = threading.Lock()  # start_allreduce_sum may be called from backward's thread
+        self._unissued = 0  # delayed collectives started but not yet in the inner group
+        self._last_issued: asyncio.Future[None] | None = None  # (loop side) the latest one's issue
 
     async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
         if self._abandoned:
@@ -91,19 +103,76 @@ class FaultyProcessGroup:
 
     def start_allreduce_sum(self, tensor: Any, share: float = 1.0) -> Any:
         """Clean links: straight into the inner group (a collective inside Gloo is not touched by
-        a cut that starts later). Degraded or cut links: None, so the caller issues it through
-        ``allreduce_sum``, which applies the fault."""
+        a cut that starts later). Degraded links: started now on the control loop, which waits out
+        the links' delay and then issues it (``_DelayedPending``). Cut links, or no control loop:
+        None, so the caller issues it through ``allreduce_sum``, which applies the fault."""
         if self._abandoned:
             raise CollectiveError(f"process group of quorum {self.quorum_id} was abandoned")
-        if self._cond.is_cut_off(self._peers) or self._cond.allreduce_delay_s(self._peers, self.world_size,
-                                                                              tensor_bytes(tensor)) > 0:
-            return None
-        return self.inner.start_allreduce_sum(tensor, share)
+        with self._order:
+            cut = self._cond.is_cut_off(self._peers)
+            delay_s = 0.0 if cut else self._cond.allreduce_delay_s(self._peers, self.world_size, tensor_bytes(tensor))
+            if cut or (delay_s > 0 and self._loop is None):
+                return None
+            if delay_s <= 0 and self._unissued == 0:
+                return self.inner.start_allreduce_sum(tensor, share)
+            self._unissued += 1  # later ones (even on clean links) queue behind it: same order on every rank
+            assert self._loop is not None
+            started = asyncio.run_coroutine_threadsafe(self._issue_after(tensor, share, delay_s), self._loop)
+        return _DelayedPending(self, started, delay_s)
+
+    async def _issue_after(self, tensor: Any, share: float, delay_s: float) -> Any:
+        """(control loop) Wait for the previous delayed collective to be issued, then this one's
+        delay, then issue it. Tasks start in the order they were started, so the chain keeps it."""
+        assert self._loop is not None
+        previous, mine = self._last_issued, self._loop.create_future()
+        self._last_issued = mine
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)
+            if delay_s > 0:
+                await self._sleep(delay_s)
+            if self._abandoned:
+                raise CollectiveError(f"process group of quorum {self.quorum_id} was abandoned")
+            return self.inner.start_allreduce_sum(tensor, share)
+        finally:
+            with self._order:
+                self._unissued -= 1
+            if not mine.done():
+                mine.set_result(None)
 
     def abandon(self) -> None:
         if not self._abandoned:
             self._abandoned = True
             self.inner.abandon()
+
+
+class _DelayedPending:
+    """A collective that waits out its links' delay on the control loop before entering Gloo."""
+
+    def __init__(self, group: FaultyProcessGroup, started: Any, delay_s: float) -> None:
+        self._group, self._started, self._delay_s = group, started, delay_s
+
+    async def wait(self, timeout_s: float) -> None:
+        g = self._group
+        deadline_s = g._now() + timeout_s
+        try:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    pending = await asyncio.wrap_future(self._started)
+            except TimeoutError:
+                raise CollectiveError(f"all-reduce in quorum {g.quorum_id} passed its {timeout_s:.1f} s deadline "
+                                      f"(slowed {self._delay_s:.2f} s by degraded links)") from None
+            if pending is None:  # not expected from a real group; issue it the plain way
+                raise CollectiveError(f"all-reduce in quorum {g.quorum_id} could not be started")
+            await pending.wait(max(deadline_s - g._now(), 0.001))
+        except CollectiveError:
+            self._started.cancel()
+            g.abandon()
+            raise
+        except asyncio.CancelledError:
+            self._started.cancel()
+            g.abandon()  # the step was aborted: never touch this group again
+            raise
 
 
 class FaultyProcessGroupFactory:
