@@ -170,8 +170,9 @@ def _real_paragraph(g: dict[str, Any], real: dict[str, Any]) -> str:
             f"it ({on['slowdown']:.2f}x), without overlap {of['median_step_clean_s']:.3f} s and "
             f"{of['median_step_latency_s']:.3f} s ({of['slowdown']:.2f}x); the simulator's 2-worker ratio without "
             f"overlap was {sim2[REAL_LATENCY_MS] / (sim2[0.0] or 1):.2f}x. On real processes a latency fault's delay "
-            "is applied when the all-reduce is issued, after the step's body (collectives/faulty.py queues "
-            "collectives on degraded links), so overlap cannot hide injected latency there. " + _loopback_note(on, of))
+            "starts when a bucket's all-reduce starts (collectives/faulty.py), but the bundled model's gradients "
+            "are one bucket, ready only when backward ends, so there is no compute left to hide it behind. "
+            + _loopback_note(on, of))
 
 
 def _loopback_note(on: dict[str, Any], of: dict[str, Any]) -> str:
