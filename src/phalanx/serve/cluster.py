@@ -165,9 +165,15 @@ def spawn_router(replicas: dict[str, str], token_file: Path, policy: str = "p2c-
 
 
 def bind_loopback(port: int, host: str = "127.0.0.1") -> socket.socket:
-    """Loopback unless ``host`` says otherwise (a router other machines' replicas join)."""
+    """Loopback unless ``host`` says otherwise (a router other machines' replicas join).
+
+    TCP_NODELAY on the listener, inherited by every accepted connection: asyncio only disables Nagle
+    on sockets created with ``proto=IPPROTO_TCP``, which a socket we bind ourselves is not (proto 0),
+    so uvicorn's separate writes of headers and body waited for the client's delayed ACK: 40 ms added
+    to every answer (measured: /health 44 ms -> 0.4 ms)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see tcp_listener
     sock.bind((host, port))
     return sock
 

@@ -92,6 +92,7 @@ async def serve(args: argparse.Namespace) -> None:
     app = build_replica_app(engine, args.model_name, token)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # else 40 ms per answer (cluster.bind_loopback)
     sock.bind((args.host, args.port))
     server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30, lifespan="on",
                                            timeout_graceful_shutdown=int(args.drain_timeout_s)),
