@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from phalanx.checkpoint.durable import write_checkpoint
+from phalanx.cli.main import main as cli
 from phalanx.checkpoint.state_codec import capture_training_state
 from phalanx.core.auth import read_token_file
 from phalanx.serve.admin_client import request_rollout
@@ -140,7 +141,7 @@ def test_rollout_in_available_mode_fails_nothing_and_counts_version_regressions(
     assert report["ok"]
 
 
-def test_a_corrupt_checkpoint_is_refused_and_the_old_weights_keep_serving(run_dir, token_file, tmp_path):
+def test_a_corrupt_checkpoint_is_refused_and_the_old_weights_keep_serving(run_dir, token_file, tmp_path, capsys):
     bad = tmp_path / "train-bad" / "checkpoints" / "step_00000009"
     shutil.copytree(run_dir / "checkpoints" / "step_00000001", bad)
     data = bytearray((bad / "state.safetensors").read_bytes())
@@ -152,6 +153,10 @@ def test_a_corrupt_checkpoint_is_refused_and_the_old_weights_keep_serving(run_di
         assert unsigned.status_code == 401  # admin routes demand the cluster token
         status, report = request_rollout(router.url, read_token_file(token_file), str(bad))
         assert status == 422 and not report["ok"] and "SHA-256" in report["error"]
+        code = cli(["serve", "rollout", "--router", router.url.removeprefix("http://"), "--token-file", str(token_file),
+                    "--checkpoint", str(bad)])  # the command line says so too, and exits non-zero
+        out = capsys.readouterr().out
+        assert code == 1 and "r0: FAILED" in out and "SHA-256" in out
         c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=30)
         r = c.completions.create(model=MODEL, prompt="The ", max_tokens=4)
         assert r.system_fingerprint == version_of(run_dir, 1)
