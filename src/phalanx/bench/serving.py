@@ -164,12 +164,34 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+async def _sequential_s(url: str, token: bytes | None, n: int) -> list[float]:
+    """One request at a time over one keep-alive connection (the router's own lean client): what a
+    request costs with no queue anywhere and almost no client overhead."""
+    from phalanx.serve.replica_client import ReplicaConnections
+
+    c = ReplicaConnections(url, token)
+    out = []
+    for i in range(n + 5):
+        t0 = time.perf_counter()
+        r = await c.post("/v1/completions", json.dumps({"model": "phalanx-charlm", "prompt": "The ", "max_tokens": 1,
+                                                         "seed": i}).encode(), 30)
+        if r.status == 200 and i >= 5:  # the first few warm the connection and the replica
+            out.append(time.perf_counter() - t0)
+    c.close()
+    return out
+
+
 def router_overhead(token_file: Path, duration_s: float, rate: float = 200.0) -> dict[str, Any]:
     reps = spawn_replicas(1, MODEL_ARGS + ["--batch-size-max", "32"], token_file)
     router = spawn_router({"r0": reps[0].url}, token_file)
     token = read_token_file(token_file)
     out: dict[str, Any] = {"rate_per_s": rate}
     try:
+        for name, url, tok in (("sequential direct", reps[0].url, token), ("sequential router", router.url, None),
+                               ("sequential direct again", reps[0].url, token)):
+            lat = asyncio.run(_sequential_s(url, tok, 400))
+            out[name] = {"ok": len(lat), "p50_s": quantile(lat, 0.5), "p99_s": quantile(lat, 0.99)}
+            print(f"[overhead] {name}: {out[name]}", flush=True)
         for name, url, tok in (("direct", reps[0].url, token), ("router", router.url, None),
                                ("direct again", reps[0].url, token)):
             cpu0 = _cpu_s(router.proc.pid)
@@ -187,6 +209,9 @@ def router_overhead(token_file: Path, duration_s: float, rate: float = 200.0) ->
     direct_p99 = min(out["direct"]["p99_s"], out["direct again"]["p99_s"])
     out["added_p50_ms"] = 1000 * (out["router"]["p50_s"] - direct_p50)
     out["added_p99_ms"] = 1000 * (out["router"]["p99_s"] - direct_p99)
+    seq = [out["sequential direct"], out["sequential direct again"]]
+    out["sequential_added_p50_ms"] = 1000 * (out["sequential router"]["p50_s"] - min(d["p50_s"] for d in seq))
+    out["sequential_added_p99_ms"] = 1000 * (out["sequential router"]["p99_s"] - min(d["p99_s"] for d in seq))
     return out
 
 
@@ -321,7 +346,11 @@ def report(all_: dict[str, Any]) -> str:
         lines += ["", f"Router overhead at {o['rate_per_s']:.0f} req/s: +{o['added_p50_ms']:.2f} ms p50, "
                       f"+{o['added_p99_ms']:.2f} ms p99 (direct p50 {1000 * o['direct']['p50_s']:.2f} ms, "
                       f"routed p50 {1000 * o['router']['p50_s']:.2f} ms); the router spends "
-                      f"{o['router_cpu_ms_per_request']:.2f} ms of CPU per request"]
+                      f"{o['router_cpu_ms_per_request']:.2f} ms of CPU per request",
+                  f"Router overhead one request at a time (no queue; lean keep-alive client): "
+                  f"+{o['sequential_added_p50_ms']:.2f} ms p50, +{o['sequential_added_p99_ms']:.2f} ms p99 (direct p50 "
+                  f"{1000 * o['sequential direct']['p50_s']:.2f} ms, routed "
+                  f"{1000 * o['sequential router']['p50_s']:.2f} ms)"]
     if "rollout" in all_:
         ro = all_["rollout"]
         lines += ["", f"Rollout: 4 replicas, two rollouts (step 1 -> 2 -> 3) during {ro['duration_s']:g} s of Poisson "
