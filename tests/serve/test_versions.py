@@ -86,3 +86,14 @@ def test_router_in_available_mode_lets_a_session_see_an_older_version():
     r = _router(Consistency.AVAILABLE)
     r.observe_version("s", NEW)
     assert {r._choose(frozenset(), "s").stats.replica_id for _ in range(50)} == {"r0", "r1"}
+
+
+def test_a_resumed_stream_goes_only_to_a_replica_of_its_version_even_one_draining_for_the_rollout():
+    r = _router(Consistency.AVAILABLE)
+    r.replicas["r1"].admitting = False  # r1 (OLD) is being drained: no new requests ...
+    assert {r._choose(frozenset(), None).stats.replica_id for _ in range(20)} == {"r0"}
+    # ... but a stream that began on OLD weights continues there, never on NEW ones
+    assert {r._choose(frozenset(), None, pinned=OLD).stats.replica_id for _ in range(20)} == {"r1"}
+    r.replicas["r1"].stats.healthy = False  # and when no replica serves OLD any more, it is held back, not moved
+    with pytest.raises(VersionHeldBack):
+        r._choose(frozenset(), None, pinned=OLD)
