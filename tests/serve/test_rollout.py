@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from phalanx.checkpoint.state_codec import capture_training_state
 from phalanx.core.auth import read_token_file
 from phalanx.serve.admin_client import request_rollout
 from phalanx.serve.cluster import spawn_replicas, spawn_router, stop_replicas
+from phalanx.serve.request_auth import ClusterTokenAuth
 from phalanx.serve.served_model import random_model
 
 MODEL = "phalanx-charlm"
@@ -195,3 +197,60 @@ def test_follow_rolls_out_each_new_checkpoint_of_a_running_training_job(tmp_path
     finally:
         router.stop()
         stop_replicas(reps)
+
+
+@pytest.mark.slow
+def test_a_stream_resumed_mid_rollout_continues_on_its_own_version_only(run_dir, token_file):
+    """r0 already serves step 2 (as mid-rollout); r1 is killed under streams of step 1: they resume on r2 (step 1),
+    never on r0, so every stream is one version and byte-identical to the fault-free step-1 text."""
+    if not (run_dir / "checkpoints" / "step_00000002").exists():
+        write_step(run_dir, 2, 1)
+    reps = spawn_replicas(3, ["--checkpoint", str(run_dir / "checkpoints" / "step_00000001"), "--slowdown-factor", "15",
+                              "--batch-size-max", "16"], token_file)
+    router = spawn_router({r.replica_id: r.url for r in reps}, token_file, extra=["--consistency", "available"])
+    token = read_token_file(token_file)
+    seeds = list(range(10))
+
+    async def streams() -> dict[int, tuple[set[str], str]]:
+        c = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+        async def one(seed: int) -> tuple[int, tuple[set[str], str]]:
+            versions, parts = set(), []
+            stream = await c.completions.create(model=MODEL, prompt="The ", max_tokens=40, temperature=0.9, seed=seed,
+                                                stream=True)
+            async for ch in stream:
+                versions.add(ch.system_fingerprint)
+                parts.append(ch.choices[0].text if ch.choices else "")
+            return seed, (versions, "".join(parts))
+
+        out = dict(await asyncio.gather(*(one(s) for s in seeds)))
+        await c.close()
+        return out
+
+    try:
+        reference = asyncio.run(streams())  # every replica on step 1
+        old, new = version_of(run_dir, 1), version_of(run_dir, 2)
+        assert all(v == {old} for v, _ in reference.values())
+        with httpx.Client(auth=ClusterTokenAuth(token), timeout=60) as c:  # r0 alone to step 2, as a rollout would
+            assert c.post(reps[0].url + "/phalanx/load", json={"checkpoint": str(run_dir / "checkpoints" / "step_00000002")
+                                                               }).json()["version"] == new
+        _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["replicas"]["r0"] == {**httpx.get(
+            router.url + "/health", timeout=5).json()["replicas"]["r0"], "healthy": True, "version": new}, 30,
+            "r0 back in rotation on step 2")
+
+        async def with_kill() -> dict[int, tuple[set[str], str]]:
+            run = asyncio.create_task(streams())
+            await asyncio.sleep(0.6)
+            reps[1].proc.send_signal(signal.SIGKILL)
+            return await run
+
+        out = asyncio.run(with_kill())
+        resumed = sum(float(x.split()[-1]) for x in httpx.get(router.url + "/metrics", timeout=5).text.splitlines()
+                      if x.startswith("phalanx_router_stream_resumptions_total"))
+    finally:
+        router.stop()
+        stop_replicas(reps)
+    assert all(len(v) == 1 for v, _ in out.values())  # no stream mixes two versions' tokens
+    on_old = [s for s, (v, _) in out.items() if v == {old}]
+    assert on_old and all(out[s][1] == reference[s][1] for s in on_old)  # step-1 streams: the fault-free text
+    assert resumed >= 1  # the kill really landed mid-stream
