@@ -137,7 +137,9 @@ def failover(token_file: Path, duration_s: float, max_tokens: int, kill_at_s: fl
     router = spawn_router({r.replica_id: r.url for r in reps}, token_file)
     try:
         service_s = _service_time_s(reps[0].url, read_token_file(token_file), max_tokens, n=10)
-        rate = 0.5 * min(4, os.cpu_count() or 1) / service_s
+        # half the cores' worth of requests, and at most 15/s: each streamed request also costs the router and
+        # the load generator CPU on the same cores (at 49 req/s a 2-core box was saturated before the kill)
+        rate = min(15.0, 0.5 * min(4, os.cpu_count() or 1) / service_s)
 
         async def run() -> Any:
             load = asyncio.create_task(run_load(LoadSpec(url=router.url, duration_s=duration_s, rate_per_s=rate,
