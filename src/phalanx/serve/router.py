@@ -123,7 +123,6 @@ class Router:
         self.events: list[dict[str, Any]] = []  # membership changes with reasons (bounded)
         self.book = VersionBook()
         self.sessions = SessionVersions()
-        self.token = token
         self.rollout_lock = asyncio.Lock()  # one rollout at a time
         # every request to a replica is signed with the cluster token (replicas refuse anything else)
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
