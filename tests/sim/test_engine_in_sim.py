@@ -68,3 +68,30 @@ def test_a_checkpoint_writer_asks_the_normal_way_and_its_peers_wait_for_it():
     assert written == [9, 19, 29]
     # the writer of steps 9 and 19 asked for 10 and 20 once written (29 is the last step)
     assert asked["sent"] == 4 + 2 and asked["in_reports"] == 4 * 29 - 2
+
+
+def test_a_stepping_worker_sends_no_heartbeats_and_a_silent_one_does(monkeypatch):
+    # any message is a sign of life to the coordinator, so heartbeats only fill silences: a worker
+    # stepping every ~50 ms sends its progress marks and reports instead; one hung inside its step
+    # (heartbeats must keep flowing, or the progress watch could not tell it from a dead one) sends
+    # them again
+    from phalanx.core.messages import Heartbeat
+    from phalanx.sim.connection import SimConnection
+
+    sent: list[tuple[str, float]] = []
+    original = SimConnection.send
+
+    async def counting(self, message, buffers=()):
+        if isinstance(message, Heartbeat):
+            sent.append((self.local.name, self._loop.time()))
+        return await original(self, message, buffers)
+
+    monkeypatch.setattr(SimConnection, "send", counting)
+    r = Scenario(workers=4, seed=5).run_until(step=30)
+    assert r.ok, r.reason
+    assert len(sent) <= 4 * 3, sent  # 120 worker-steps: at most a few around the first quorum and the end
+    sent.clear()
+    r = Scenario(workers=3, seed=2).hang(1, at_step=5, for_s=3.0).run_until(step=20)
+    assert r.ok, r.reason
+    assert sum(1 for node, _ in sent if node == "w1") >= 15  # 3 s hung: heartbeats every ~0.1 s
+    assert not [e for e in r.events_of("worker_suspected") if e["reason"].startswith("no heartbeat")]

@@ -128,17 +128,22 @@ class WorkerMessages:
         if handler is None:
             self._refuse_message(s, type(m).__name__, "not a message a worker sends")
             return
+        self._heard_from(s)
         if handler(self, s, m):
             self._evaluate()
 
-    def _on_heartbeat(self, s: WorkerSession, m: Heartbeat) -> bool:
+    def _heard_from(self, s: WorkerSession) -> None:
+        """Any message from a worker is a sign of life (workers skip heartbeats while other
+        messages flow), and clears a suspicion of silence."""
         s.last_heartbeat_s = self.host.now()
         if s.cause is SuspicionCause.NO_HEARTBEAT:
             self.emit("worker_alive_again", worker=s.worker_id, was=s.suspected)
             # Found by the simulator: it asked, was suspected before any answer, and kept waiting
             # for one; without this it sat outside every quorum until the job ended.
             self.sessions.clear_suspicion(s, self.host.now())
-        return False
+
+    def _on_heartbeat(self, s: WorkerSession, m: Heartbeat) -> bool:
+        return False  # its sign of life is taken in _handle, as every message's
 
     def _on_quorum_request(self, s: WorkerSession, m: QuorumRequest) -> bool:
         now = self.host.now()

@@ -22,6 +22,7 @@ from phalanx.core.messages import (
     AllreduceDone, CheckpointUnusable, CheckpointWritten, Goodbye, Heartbeat, Hello, InjectFault, Progress, QuorumAssigned, QuorumBroken as QuorumBrokenMsg,
     QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
 )
+from phalanx.train import sharding
 from phalanx.train.exchange import Exchange
 from phalanx.train.healing import Healing, HealedState
 
@@ -66,8 +67,6 @@ class Assignment:
 
     def shard_bounds(self, global_batch_size: int) -> tuple[int, int]:
         """(offset, count) of this member's slice of the global batch."""
-        from phalanx.train import sharding
-
         if self.shard_weights:
             return sharding.weighted_shard_bounds(global_batch_size, list(self.shard_weights), self.rank)
         return sharding.shard_bounds(global_batch_size, self.rank, self.world_size)
@@ -90,10 +89,8 @@ class WorkerAgent(Healing):
         self.shutdown_reason = ""
         self._conn: Connection | None = None
         self._assignment: asyncio.Future[Assignment] | None = None
-        # the fast path: the next step's request rode on the last report (and its grant may have
-        # come right behind the commit decision, before anyone waited for it), on this connection
-        self._asked: tuple[int, Connection] | None = None
-        self._early: tuple[Assignment, Connection] | None = None
+        self._asked: tuple[int, Connection] | None = None  # fast path: the request rode on the report
+        self._early: tuple[Assignment, Connection] | None = None  # ... its grant came before we waited
         self._decisions: dict[tuple[int, int], asyncio.Future[StepDecision]] = {}
         self._broken: dict[int, asyncio.Event] = {}
         self._pg: ProcessGroup | None = None
@@ -101,6 +98,7 @@ class WorkerAgent(Healing):
         self._heal_acks: dict[str, asyncio.Future[bool]] = {}
         self._snapshot: tuple[int, bytes, list[memoryview], str] | None = None
         self._lost = asyncio.Event()
+        self._last_sent_s = float("-inf")  # any message is a sign of life: heartbeats fill the gaps
         self._racing: dict[asyncio.Future[Any], int] = {}  # work that a broken quorum interrupts -> its id
         self._interrupted: dict[asyncio.Future[Any], Exception] = {}
         self.heal_address = ""
@@ -153,16 +151,19 @@ class WorkerAgent(Healing):
         if not self.connected:
             raise CoordinatorLost("not connected to the coordinator")
         assert self._conn is not None
+        self._last_sent_s = self.host.now()
         try:
             await self._conn.send(message)
         except TransportError as e:
             raise CoordinatorLost(f"lost the coordinator: {e}") from e
 
     async def _heartbeats(self) -> None:
+        """Any message is a sign of life to the coordinator: a heartbeat goes out only when nothing
+        else did for half an interval (so it hears from us at least every 1.5 intervals)."""
         seq = 0
         while not self.shutdown_reason:
             interval_s = self.welcome.heartbeat_interval_s if self.welcome else 0.1
-            if self.connected:
+            if self.connected and self.host.now() - self._last_sent_s >= interval_s / 2:
                 seq += 1
                 try:
                     await self._send(Heartbeat(seq=seq, step=self.last_committed_step))
@@ -299,8 +300,7 @@ class WorkerAgent(Healing):
         self._decisions[key] = asyncio.get_running_loop().create_future()
         t0 = self.host.now()
         ok, error = True, ""
-        # the buckets are already on the wire: this mark (a send that only queues, no task of its
-        # own) delays no collective
+        # the buckets are already on the wire: this mark (a send that only queues) delays none
         await self._send_quiet(Progress(step=a.step, quorum_id=a.quorum_id, phase="allreduce"))
         try:
             if tail is not None:
