@@ -145,12 +145,35 @@ def _mean_step(commits: list[Any]) -> float:
     return statistics.mean(_field(c, "step_s") for c in commits[5:])
 
 
-def main() -> int:
+def _calibrate(compute_s: float, allreduce_s: float, calib_step: float, process_exit_s: float) -> dict[str, float]:
+    """The simulator's costs from the fault-free run's spans, step by step as a fault-free step runs
+    now (the fast path): the next quorum's grant rides on the commit decision, so a step is the
+    compute span, the all-reduce span (the gradient's one bucket -- 0.47 MB, under the 8 MiB bucket
+    size -- and the coverage tail, then the report -> decision round trip), and a gap of local work
+    outside both spans (the optimizer step, the loop). The spans cannot tell the collectives from
+    the round trip, so the all-reduce span is split evenly: half for the two collectives (each a
+    4-rank ring, 2(n-1) alphas), half for the two one-way control hops. The gap is local work, so it
+    is charged as compute. Plus the OS's process teardown after SIGKILL (a one-off probe)."""
+    gap_s = max(0.0, calib_step - compute_s - allreduce_s)
+    return {"gap_s": gap_s, "step_compute_s": compute_s + gap_s, "alpha_s": (allreduce_s / 2) / (2 * 2 * 3),
+            "control_latency_s": max(0.0002, allreduce_s / 4), "process_exit_s": process_exit_s}
+
+
+def _simulate(steps: int, c: dict[str, float]) -> Any:
     from phalanx.faults.plan import parse_fault_plan
     from phalanx.sim.cluster import Cluster
     from phalanx.sim.network import LinkModel
     from phalanx.sim.process_group import CollectiveModel
+    from phalanx.sim.workload import SimModelConfig
 
+    return Cluster(workers=4, steps=steps, seed=1, plan=parse_fault_plan(PLAN, "<fidelity>"),
+                   model_cfg=SimModelConfig(grad_buckets=1), step_compute_s=c["step_compute_s"], compute_jitter=0.05,
+                   collective=CollectiveModel(alpha_s=c["alpha_s"], beta_s_per_byte=0.0),
+                   link=LinkModel(latency_s=c["control_latency_s"], jitter_s=c["control_latency_s"] / 4),
+                   process_exit_s=c["process_exit_s"]).run()
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=360)
     ap.add_argument("--min-step-s", type=float, default=0.05, help="paced compute, as in the fault tests")
@@ -164,21 +187,10 @@ def main() -> int:
         allreduce_s = statistics.median(_spans(Path(tmp) / "calib", "allreduce"))
         console.print("real, kill + freeze ...")
         real = _run(args.steps, Path(tmp) / "real", args.min_step_s, PLAN)
-    # calibrate: compute per step, an alpha that makes a 4-rank ring all-reduce cost what Gloo did,
-    # a control-message latency that makes the rest of a fault-free step (quorum request and
-    # assignment, report and decision: four one-way hops, plus the optimizer step and Python
-    # overhead on the way) cost what it did, and the OS's process teardown after SIGKILL (a
-    # one-off probe, not the scenario)
-    alpha_s = allreduce_s / (2 * 3)
     calib_step = _median_step(calib.commits)
     assert calib_step is not None, "the calibration run committed too few steps"
-    control_s = max(0.0002, (calib_step - compute_s - allreduce_s) / 4)
-    process_exit_s = probe_process_exit_s(args.min_step_s)
-    sim_result = Cluster(workers=4, steps=args.steps, seed=1, plan=parse_fault_plan(PLAN, "<fidelity>"),
-                         step_compute_s=compute_s, compute_jitter=0.05,
-                         collective=CollectiveModel(alpha_s=alpha_s, beta_s_per_byte=0.0),
-                         link=LinkModel(latency_s=control_s, jitter_s=control_s / 4),
-                         process_exit_s=process_exit_s).run()
+    calibration = _calibrate(compute_s, allreduce_s, calib_step, probe_process_exit_s(args.min_step_s))
+    sim_result = _simulate(args.steps, calibration)
     sim = sim_result.summary
     # A run with six kills spends ~40 % of its steps with three workers (a restarted process takes
     # ~2 s to come back), so one median over all steps flips between the two populations: compare
@@ -206,8 +218,7 @@ def main() -> int:
     console.print(t)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"calibration": {"compute_s": compute_s, "allreduce_s": allreduce_s,
-                                               "control_latency_s": control_s, "process_exit_s": process_exit_s},
+    out.write_text(json.dumps({"calibration": {"compute_s": compute_s, "allreduce_s": allreduce_s, **calibration},
                                "rows": table,
                                "faults": {side: [{k: f.get(k) for k in ("kind", "worker", "at_step", "detected_after_s",
                                                                         "recovered_after_s")} for f in faults]
