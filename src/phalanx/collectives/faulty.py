@@ -156,23 +156,23 @@ class _DelayedPending:
         g = self._group
         deadline_s = g._now() + timeout_s
         try:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    pending = await asyncio.wrap_future(self._started)
-            except TimeoutError:
-                raise CollectiveError(f"all-reduce in quorum {g.quorum_id} passed its {timeout_s:.1f} s deadline "
-                                      f"(slowed {self._delay_s:.2f} s by degraded links)") from None
-            if pending is None:  # not expected from a real group; issue it the plain way
+            async with asyncio.timeout(timeout_s):
+                pending = await asyncio.wrap_future(self._started)
+            if pending is None:  # the inner group refused to start it (the seam allows None)
                 raise CollectiveError(f"all-reduce in quorum {g.quorum_id} could not be started")
             await pending.wait(max(deadline_s - g._now(), 0.001))
-        except CollectiveError:
-            self._started.cancel()
-            g.abandon()
+        except TimeoutError:
+            self._give_up()
+            raise CollectiveError(f"all-reduce in quorum {g.quorum_id} passed its {timeout_s:.1f} s deadline "
+                                  f"(slowed {self._delay_s:.2f} s by degraded links)") from None
+        except (CollectiveError, asyncio.CancelledError):  # cancelled: the step was aborted
+            self._give_up()
             raise
-        except asyncio.CancelledError:
-            self._started.cancel()
-            g.abandon()  # the step was aborted: never touch this group again
-            raise
+
+    def _give_up(self) -> None:
+        """Never touch this group again, nor issue the collective if it is still waiting its delay."""
+        self._started.cancel()
+        self._group.abandon()
 
 
 class FaultyProcessGroupFactory:

@@ -312,8 +312,6 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
     def set_debug(self, enabled: bool) -> None:
         self._debug = enabled
 
-    def _timer_handle_cancelled(self, handle: Any) -> None:  # asyncio's TimerHandle.cancel calls this
-        return None
 
 
 def run_virtual(main: Coroutine[Any, Any, Any], seed: int = 0) -> tuple[Any, VirtualTimeLoop]:
