@@ -52,8 +52,8 @@ def test_latency_real_point_slows_the_step_with_and_without_overlap(tmp_path):
 
 
 @pytest.mark.slow
-def test_round_robin_tail_follows_the_slow_replica_and_p2c_latency_avoids_it(tmp_path):
+def test_naive_round_robin_tail_follows_the_slow_replica_and_p2c_latency_avoids_it(tmp_path):
     o = run_quick("serving-tail", tmp_path, sim=False)
     res = o.data["results"]
-    assert res["round-robin"]["latency_s"]["p99"] > res["healthy"]["latency_s"]["p99"]
+    assert res["round-robin"]["latency_s"]["p99"] > 2 * res["healthy"]["latency_s"]["p99"]  # the slow backlog
     assert res["p2c-latency"]["latency_s"]["p99"] < res["round-robin"]["latency_s"]["p99"]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
+from phalanx.core.errors import ConfigError
+from phalanx.serve.cluster import router_config
 from phalanx.serve.routing_policy import (Policy, PolicyConfig, ReplicaStats, RollingLatency, after_failure,
                                           choose_replica, hedge_delay_s, latency_outliers, may_hedge, may_retry)
 
@@ -73,6 +76,15 @@ def test_consecutive_failures_eject_and_latency_outlier_is_found():
     reps = fleet(("a", 0, 0.1), ("b", 0, 0.12), ("c", 0, 0.09), ("d", 0, 1.0))
     assert [x.replica_id for x, _ in latency_outliers(0, reps, cfg)] == ["d"]
     assert latency_outliers(0, fleet(("a", 0, 0.1), ("b", 0, 0.12), ("c", 0, 0.2)), cfg) == []
+    assert latency_outliers(0, reps, dataclasses.replace(cfg, outlier_latency_ratio=0.0)) == []  # 0: off
+
+
+def test_router_config_takes_an_outlier_ratio_and_refuses_a_negative_or_nan_one():
+    assert router_config("round-robin", False, outlier_ratio=0.0).policy.outlier_latency_ratio == 0.0
+    assert router_config("round-robin", False).policy.outlier_latency_ratio == PolicyConfig().outlier_latency_ratio
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match="--outlier-ratio"):
+            router_config("p2c-latency", False, outlier_ratio=bad)
 
 
 def test_a_request_whose_replica_died_is_retried_outside_the_budget_but_within_attempts_max():

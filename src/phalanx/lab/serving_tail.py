@@ -33,13 +33,16 @@ LOAD = 0.5  # share of the capacity: 4 replicas compute side by side only as far
 
 # Round-robin runs last: it leaves a backlog on the slow replica (every fourth request, at a tenth
 # of the speed) that outlives its router and would otherwise land on the next policy's clock.
-# case -> (routing policy, hedging), as the serving benchmark's slow-replica cases
-CASES = {"healthy": ("p2c-latency", False), "p2c-latency": ("p2c-latency", False),
-         "p2c-latency+hedge": ("p2c-latency", True), "p2c-queue": ("p2c-queue", False),
-         "round-robin": ("round-robin", False)}
+# case -> (routing policy, hedging, passive outlier ejection), as the serving benchmark's slow-replica
+# cases. "round-robin" is the naive router of the routers in wide use: it takes a replica out only when
+# its health checks fail, which a slow replica's never do; "round-robin+ejection" is the same rotation
+# with phalanx's passive ejection (latency EWMA > 5x the others' median) on, as in every other case.
+CASES = {"healthy": ("p2c-latency", False, True), "p2c-latency": ("p2c-latency", False, True),
+         "p2c-latency+hedge": ("p2c-latency", True, True), "p2c-queue": ("p2c-queue", False, True),
+         "round-robin+ejection": ("round-robin", False, True), "round-robin": ("round-robin", False, False)}
 
 
-def _cases(quick: bool) -> list[tuple[str, str, bool]]:
+def _cases(quick: bool) -> list[tuple[str, str, bool, bool]]:
     names = ("healthy", "p2c-latency", "round-robin") if quick else tuple(CASES)
     return [(n, *CASES[n]) for n in names]
 
@@ -57,16 +60,18 @@ def run(ctx: LabContext) -> Outcome:
         urls = {r.replica_id: r.url for r in reps}
         service_s = _service_time_s(urls, token_file, 8 if ctx.quick else 20)
         rate = LOAD * min(4, os.cpu_count() or 1) / service_s
-        for name, policy, hedging in _cases(ctx.quick):
+        for name, policy, hedging, ejection in _cases(ctx.quick):
             # healthy: the four fast replicas; the others: three fast ones and the slow one
             chosen = {k: v for k, v in urls.items() if k != (f"r{SLOW_REPLICA}" if name == "healthy" else "r4")}
             ctx.say(f"{name}: {rate:.1f} req/s for {duration_s:g} s ...")
-            router = spawn_router(chosen, token_file, policy, hedging)
+            router = spawn_router(chosen, token_file, policy, hedging, None if ejection else ["--outlier-ratio", "0"])
             try:
                 _wait_until_serving(router.url)  # the router has seen its replicas healthy
-                # a warm router, as in production: its first seconds teach it the replicas' latencies
-                asyncio.run(run_load(LoadSpec(url=router.url, duration_s=warmup_s, rate_per_s=rate,
-                                              max_tokens=MAX_TOKENS, timeout_s=60, seed=99)))
+                # a warm router, as in production: its first seconds teach it the replicas' latencies (the
+                # naive router learns nothing it uses: its warm-up would only queue more on the slow replica)
+                if ejection:
+                    asyncio.run(run_load(LoadSpec(url=router.url, duration_s=warmup_s, rate_per_s=rate,
+                                                  max_tokens=MAX_TOKENS, timeout_s=60, seed=99)))
                 spec = LoadSpec(url=router.url, duration_s=duration_s, rate_per_s=rate, max_tokens=MAX_TOKENS,
                                 timeout_s=60)
                 results[name] = summarize(spec, asyncio.run(run_load(spec)))
@@ -121,12 +126,13 @@ def _outcome(results: dict[str, dict[str, Any]], service_s: float, rate: float, 
             f"policy. All-healthy p99 {base:.3f} s. " + "; ".join(
                 f"{n}: p99 {r['latency_s']['p99']:.3f} s ({(r['latency_s']['p99'] or 0) / base:.1f}x healthy), "
                 f"{r['errors']} errors" for n, r in results.items() if n != "healthy")
-            + ". Round-robin sends every fourth request to the slow replica, so its tail is the slow replica's; a "
-              "policy that measures latency routes around it.")
+            + ". Round-robin without ejection sends every fourth request to the slow replica, which cannot keep "
+              "up, so its tail is the slow replica's backlog; a policy that measures latency routes around it, and "
+              "passive ejection on the latency EWMA takes the slow replica out of any rotation.")
     return Outcome("serving-tail", QUESTION,
                    f"Real: 5 replica processes on loopback (one request at a time each; r{SLOW_REPLICA} 10x slow), one "
                    "router process per policy in front of 4 of them (healthy: the 4 fast; others: 3 fast + the slow "
-                   f"one), each router warmed for a few seconds, then Poisson load at {LOAD:.0%} of measured capacity, "
+                   f"one), each router but the naive one warmed for a few seconds, then Poisson load at {LOAD:.0%} of measured capacity, "
                    f"{MAX_TOKENS} tokens per request.",
                    ["policy", "ok", "errors", "p50 (s)", "p99 (s)", "p99 / healthy"], rows, para,
                    "round-robin's p99 is above healthy and p2c-latency's is below round-robin's", held,

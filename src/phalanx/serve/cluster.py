@@ -8,6 +8,7 @@ replicas refuse any request the router has not signed with it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ from pathlib import Path
 import uvicorn
 
 from phalanx.core.auth import generate_token, read_token_file, write_token_file
+from phalanx.core.errors import ConfigError
 from phalanx.serve.errors import ServeError
 from phalanx.serve.replica_main import READY_LINE
 from phalanx.serve.router import Router, RouterConfig
@@ -179,11 +181,16 @@ def bind_loopback(port: int, host: str = "127.0.0.1") -> socket.socket:
 
 
 def router_config(policy: str, hedging: bool, active_requests_max: int = 256,
-                  consistency: str = "consistent") -> RouterConfig:
+                  consistency: str = "consistent", outlier_ratio: float | None = None) -> RouterConfig:
     from phalanx.serve.routing_policy import Policy, PolicyConfig
     from phalanx.serve.versions import Consistency
 
-    return RouterConfig(policy=PolicyConfig(policy=Policy(policy)), hedging=hedging,
+    pc = PolicyConfig(policy=Policy(policy))
+    if outlier_ratio is not None:
+        if not outlier_ratio >= 0:  # NaN too
+            raise ConfigError(f"--outlier-ratio must be >= 0 (0 turns passive ejection off), got {outlier_ratio}")
+        pc = dataclasses.replace(pc, outlier_latency_ratio=outlier_ratio)
+    return RouterConfig(policy=pc, hedging=hedging,
                         active_requests_max=active_requests_max, consistency=Consistency(consistency))
 
 

@@ -28,7 +28,7 @@ async def _serve(args: argparse.Namespace) -> None:
     urls = dict(spec.split("=", 1) for spec in args.replica)
     if not args.token_file:
         raise ConfigError("the router needs the cluster token its replicas accept: --token-file F or PHALANX_TOKEN_FILE")
-    cfg = router_config(args.policy, args.hedging, args.active_requests_max, args.consistency)
+    cfg = router_config(args.policy, args.hedging, args.active_requests_max, args.consistency, args.outlier_ratio)
     router = Router(urls, cfg, seed=args.seed, token=read_token_file(args.token_file))
     sock = bind_loopback(args.port, args.host)
     server = uvicorn.Server(uvicorn.Config(build_router_app(router, args.api_key or None), log_level="warning",
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--follow-poll-s", type=float, default=2.0)
     ap.add_argument("--policy", default="p2c-latency", choices=["p2c-latency", "p2c-queue", "round-robin"])
     ap.add_argument("--hedging", action="store_true")
+    ap.add_argument("--outlier-ratio", type=float, default=None,
+                    help="passive ejection of a replica whose latency EWMA is this many times the others' median "
+                         "(default 5; 0 turns it off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--token-file", default=os.environ.get("PHALANX_TOKEN_FILE"))
     ap.add_argument("--api-key", default=os.environ.get("PHALANX_API_KEY"),

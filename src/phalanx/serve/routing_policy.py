@@ -30,7 +30,7 @@ class PolicyConfig:
     hedge_delay_min_s: float = 0.005
     ejection_consecutive_failures: int = 5
     ejection_s: float = 2.0
-    outlier_latency_ratio: float = 5.0  # EWMA this many times the median of the others: passive ejection
+    outlier_latency_ratio: float = 5.0  # EWMA this many times the median of the others: passive ejection (0: off)
     outlier_min_samples: int = 10
 
 
@@ -153,7 +153,10 @@ def after_failure(now: float, r: ReplicaStats, cfg: PolicyConfig) -> tuple[bool,
 
 
 def latency_outliers(now: float, replicas: list[ReplicaStats], cfg: PolicyConfig) -> list[tuple[ReplicaStats, str]]:
-    """Passive ejection of a replica whose EWMA latency is far above the others' median (at most one at a time)."""
+    """Passive ejection of a replica whose EWMA latency is far above the others' median (at most one at a time).
+    A ratio of 0 turns it off: replicas leave rotation only through membership and consecutive failures."""
+    if cfg.outlier_latency_ratio <= 0:
+        return []
     live = [r for r in eligible(now, replicas) if r.samples >= cfg.outlier_min_samples]
     if len(live) < 3:
         return []
