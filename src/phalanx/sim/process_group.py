@@ -115,7 +115,12 @@ class SimProcessGroup:
         sides = {n.side for _, n, _, _ in members}
         if len(sides) > 1 or any(not n.alive or inc != n.incarnation for _, n, inc, _ in members):
             return  # across a partition or with a dead rank: nobody completes; deadlines fire
-        total = np.sum(np.stack([t for t, _, _, _ in members]), axis=0)
+        # rank by rank into one buffer: the same sums, in the same order, as np.sum over the stacked
+        # ranks (axis 0 adds row after row), without building a ranks x length copy first (at 1,024
+        # ranks the 2,049-long tail cost 45 ms a step that way)
+        total = members[0][0].copy()
+        for t, _, _, _ in members[1:]:
+            total += t
         # sizes only: the collective stands for its share of a large model's gradient
         nbytes = int(self.shared.cost_bytes * op.share) if self.shared.cost_bytes else members[0][0].nbytes
         self.shared.collectives += 1
