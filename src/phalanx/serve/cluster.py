@@ -23,6 +23,8 @@ import uvicorn
 
 from phalanx.core.auth import generate_token, read_token_file, write_token_file
 from phalanx.core.errors import ConfigError
+from phalanx.serve.asgi_server import http_impl
+from phalanx.serve.asgi_server import run as run_serving
 from phalanx.serve.errors import ServeError
 from phalanx.serve.replica_main import READY_LINE
 from phalanx.serve.router import Router, RouterConfig
@@ -208,7 +210,8 @@ def serve_forever(replicas: list[ReplicaProcess], cfg: RouterConfig, port: int, 
 
     async def main() -> None:
         server = uvicorn.Server(uvicorn.Config(build_router_app(router, api_key), log_level="warning", lifespan="on",
-                                               timeout_keep_alive=30, timeout_graceful_shutdown=5))
+                                               timeout_keep_alive=30, timeout_graceful_shutdown=5,
+                                               http=http_impl("auto")))
         driver = follower = None
         if follow is not None:
             from phalanx.serve.rollout import follow_run
@@ -226,4 +229,4 @@ def serve_forever(replicas: list[ReplicaProcess], cfg: RouterConfig, port: int, 
                 if t is not None:
                     t.cancel()
 
-    asyncio.run(main())
+    run_serving(main(), "auto", "phalanx serve")

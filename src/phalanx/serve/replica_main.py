@@ -24,6 +24,7 @@ import uvicorn
 from phalanx.core.auth import read_token_file
 from phalanx.core.errors import ConfigError, PhalanxError
 from phalanx.serve.admin_client import default_replica_id, join_router
+from phalanx.serve.asgi_server import EVENT_LOOPS, http_impl, run
 from phalanx.serve.engine import EngineConfig, ReplicaEngine
 from phalanx.serve.replica_app import build_replica_app
 from phalanx.serve.served_model import load_served_model, random_model
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cluster token the router signs requests with (default: $PHALANX_TOKEN_FILE)")
     ap.add_argument("--drain-timeout-s", type=float, default=30.0)
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    ap.add_argument("--event-loop", default="auto", choices=EVENT_LOOPS,
+                    help="auto: uvloop + httptools when installed; asyncio: plain asyncio + h11")
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the process that started it dies")
     ap.add_argument("--join", default=None, metavar="HOST:PORT", help="register with this running router (its "
                     "admin route, signed with the cluster token); it routes here once this replica answers healthy")
@@ -95,6 +98,7 @@ async def serve(args: argparse.Namespace) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # else 40 ms per answer (cluster.bind_loopback)
     sock.bind((args.host, args.port))
     server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30, lifespan="on",
+                                           http=http_impl(args.event_loop),
                                            timeout_graceful_shutdown=int(args.drain_timeout_s)),
                             engine, args.drain_timeout_s)
     server.loop = asyncio.get_running_loop()
@@ -131,7 +135,7 @@ async def _exit_with_parent(server: uvicorn.Server, parent_pid: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        asyncio.run(serve(args))
+        run(serve(args), args.event_loop, "phalanx replica")
     except PhalanxError as e:
         print(f"phalanx replica: {e}", file=sys.stderr)
         return 2

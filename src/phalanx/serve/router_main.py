@@ -15,6 +15,7 @@ import uvicorn
 
 from phalanx.core.auth import read_token_file
 from phalanx.core.errors import ConfigError, PhalanxError
+from phalanx.serve.asgi_server import EVENT_LOOPS, http_impl, run
 from phalanx.serve.cluster import ROUTER_READY_LINE, bind_loopback, router_config
 from phalanx.serve.replica_main import _exit_with_parent
 from phalanx.serve.router import Router
@@ -32,7 +33,7 @@ async def _serve(args: argparse.Namespace) -> None:
     router = Router(urls, cfg, seed=args.seed, token=read_token_file(args.token_file))
     sock = bind_loopback(args.port, args.host)
     server = uvicorn.Server(uvicorn.Config(build_router_app(router, args.api_key or None), log_level="warning",
-                                           lifespan="on"))
+                                           lifespan="on", http=http_impl(args.event_loop)))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     for _ in range(1000):
         if server.started or task.done():
@@ -77,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="clients must send this bearer key (default: $PHALANX_API_KEY; none: open)")
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the process that started it dies")
     ap.add_argument("--active-requests-max", type=int, default=256, help="past this, 429 with Retry-After")
+    ap.add_argument("--event-loop", default="auto", choices=EVENT_LOOPS,
+                    help="auto: uvloop + httptools when installed; asyncio: plain asyncio + h11")
     args = ap.parse_args(argv)
     try:
-        asyncio.run(_serve(args))
+        run(_serve(args), args.event_loop, "phalanx router")
     except PhalanxError as e:
         print(f"phalanx router: {e}", file=sys.stderr)
         return 2
