@@ -14,10 +14,11 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import torch
 
 from phalanx.serve.errors import BadRequest, Draining, Overloaded
 from phalanx.serve.kv_decoder import KvDecoder
-from phalanx.serve.sampling import SamplingParams, sample_token
+from phalanx.serve.sampling import SamplingParams, sample_tokens
 from phalanx.serve.served_model import ServedModel
 
 
@@ -35,7 +36,7 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" when this is the last delta
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: one request's mutable state
 class Generation:
     """One request's state inside the engine (event-loop owned)."""
 
@@ -50,6 +51,7 @@ class Generation:
     cancelled: bool = False
     done: bool = False
     new_tokens: int = 0
+    streamed: bool = True  # False: one Delta at the end (no per-token text, queue put and wake-up)
 
 
 class ReplicaEngine:
@@ -90,7 +92,9 @@ class ReplicaEngine:
         return len(self._free)
 
     # --- requests ------------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int] | None = None) -> Generation:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int] | None = None,
+               streamed: bool = True) -> Generation:
+        """``streamed``: the caller reads a Delta as text becomes final; otherwise only the whole text at the end."""
         resumed = list(resumed or [])
         if self.draining:
             raise Draining("replica is draining (shutting down); send the request to another replica")
@@ -103,7 +107,7 @@ class ReplicaEngine:
                              f"model's context of {self.context} tokens; shorten the prompt or lower max_tokens")
         if len(self._waiting) >= self.cfg.queue_depth_max:
             raise Overloaded(f"replica queue is full ({self.cfg.queue_depth_max} waiting); retry shortly")
-        gen = Generation(next(self._ids), list(prompt_ids), params, resumed)
+        gen = Generation(next(self._ids), list(prompt_ids), params, resumed, streamed=streamed)
         if len(resumed) >= params.max_tokens:
             self._finish(gen, "length")
             return gen
@@ -145,7 +149,8 @@ class ReplicaEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            running = [g for g in self._active.values() if g not in admitted]
+            fresh = {id(g) for g in admitted}
+            running = sorted((g for g in self._active.values() if id(g) not in fresh), key=lambda g: g.slot)
             t0 = time.monotonic()
             new_tokens = await asyncio.to_thread(self._step, admitted, running)
             if self.slowdown_factor > 1.0:
@@ -158,19 +163,23 @@ class ReplicaEngine:
                 self._accept(gen, tok)
 
     def _step(self, admitted: list[Generation], running: list[Generation]) -> list[tuple[Generation, int]]:
-        """Worker thread: prefill the newly admitted, one batched decode for the rest, sample."""
-        out: list[tuple[Generation, int]] = []
+        """Worker thread: prefill the newly admitted (equal lengths together), one batched decode for the
+        rest, then sample every sequence's next token at once."""
+        gens: list[Generation] = []
+        logits = []
+        by_length: dict[int, list[Generation]] = {}
         for gen in admitted:
-            logits = self.decoder.prefill(gen.slot, gen.prompt_ids + gen.generated)
-            out.append((gen, sample_token(logits, gen.params, len(gen.generated))))
-        if running:
-            slots = [g.slot for g in running]
-            last = [g.generated[-1] for g in running]
-            pos = [len(g.prompt_ids) + len(g.generated) - 1 for g in running]
-            logits = self.decoder.decode(slots, last, pos)
-            for i, gen in enumerate(running):
-                out.append((gen, sample_token(logits[i], gen.params, len(gen.generated))))
-        return out
+            by_length.setdefault(len(gen.prompt_ids) + len(gen.generated), []).append(gen)
+        for group in by_length.values():
+            logits.append(self.decoder.prefill_many([g.slot for g in group], [g.prompt_ids + g.generated for g in group]))
+            gens += group
+        if running:  # sorted by slot: slots 0..B-1 decode on a view of the cache
+            logits.append(self.decoder.decode([g.slot for g in running], [g.generated[-1] for g in running],
+                                              [len(g.prompt_ids) + len(g.generated) - 1 for g in running]))
+            gens += running
+        toks = sample_tokens(logits[0] if len(logits) == 1 else torch.cat(logits), [g.params for g in gens],
+                             [len(g.generated) for g in gens])
+        return list(zip(gens, toks))
 
     def _accept(self, gen: Generation, tok: int) -> None:
         if gen.done:
@@ -188,6 +197,8 @@ class ReplicaEngine:
         if len(gen.generated) >= gen.params.max_tokens:
             self._emit(gen, gen.text[gen.emitted:], "length")
             return
+        if not gen.streamed:
+            return  # the whole text goes out at the end
         hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
         upto = len(gen.text) - hold
         if upto > gen.emitted:

@@ -109,7 +109,8 @@ class ReplicaHttp:
         try:
             body = await read_json_body(request)
             req = parse_completion(body, chat, self.model_name, self.engine.served.vocab, self.engine.context)
-            gen = self.engine.submit(req.prompt_ids, req.params, self.engine.served.vocab.encode(req.resumed_text))
+            gen = self.engine.submit(req.prompt_ids, req.params, self.engine.served.vocab.encode(req.resumed_text),
+                                     streamed=req.stream)
         except ClientDisconnect:
             return Response(status_code=499)
         except ServeError as e:
@@ -121,8 +122,12 @@ class ReplicaHttp:
                                      headers={"Cache-Control": "no-cache", "X-Phalanx-Model-Version": self.version})
         text, finish = "", None
         try:
-            waited_s = 0.0
+            waited_s, checked_s = 0.0, time.monotonic()
             while finish is None:
+                if time.monotonic() - checked_s >= 0.25:  # also while tokens flow: a lost hedge frees its slot
+                    checked_s = time.monotonic()
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
                 try:
                     d = await asyncio.wait_for(gen.out.get(), 0.25)
                 except asyncio.TimeoutError:
@@ -154,7 +159,8 @@ class ReplicaHttp:
         first = True
         try:
             while True:
-                d: Delta = await asyncio.wait_for(gen.out.get(), DELTA_WAIT_S)
+                async with asyncio.timeout(DELTA_WAIT_S):  # no task per token (wait_for makes one on 3.11)
+                    d: Delta = await gen.out.get()
                 if d.finish_reason == "cancelled":
                     return
                 if d.text and first:

@@ -7,6 +7,7 @@ far draws exactly what the first replica would have drawn next.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import struct
 from dataclasses import dataclass
@@ -30,16 +31,28 @@ def uniform_for(seed: int, index: int) -> float:
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, index: int) -> int:
-    """temperature 0 is greedy; otherwise nucleus (top_p) sampling by inverse CDF on ``uniform_for``."""
-    if params.temperature <= 0.0:
-        return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
-    order = torch.argsort(probs, descending=True, stable=True)
-    sorted_p = probs[order]
-    cum = torch.cumsum(sorted_p, dim=0)
-    keep = int(torch.searchsorted(cum, torch.tensor(params.top_p, dtype=cum.dtype)).item()) + 1
-    keep = max(1, min(keep, sorted_p.numel()))
-    kept = sorted_p[:keep] / sorted_p[:keep].sum()
-    u = uniform_for(params.seed, index)
-    pick = int(torch.searchsorted(torch.cumsum(kept, dim=0), torch.tensor(u, dtype=kept.dtype), right=True).item())
-    return int(order[min(pick, keep - 1)].item())
+    """One sequence's next token: ``sample_tokens`` with a batch of one (the very same arithmetic)."""
+    return sample_tokens(logits.reshape(1, -1), [params], [index])[0]
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
+    """Each row's next token, for a batch (B, vocab) in a few tensor operations rather than ~10 per row.
+
+    temperature 0 is greedy; otherwise nucleus (top_p) sampling by inverse CDF on ``uniform_for``.
+    Row i's token depends on row i's logits, ``params[i]`` and ``indices[i]`` only, never on the other
+    rows or the batch size (what stream resumption needs): every tensor operation used here works row
+    by row (softmax, sort and cumsum along the last dimension) or is exact (division), and the rest is
+    exact float comparison in Python (``bisect`` on each row's cumulative probabilities)."""
+    temps = [p.temperature if p.temperature > 0.0 else 1.0 for p in params]
+    scaled = logits.double() / torch.tensor(temps, dtype=torch.float64)[:, None]
+    sorted_p, order = torch.sort(torch.softmax(scaled, dim=-1), dim=-1, descending=True, stable=True)
+    cums, orders = torch.cumsum(sorted_p, dim=-1).tolist(), order.tolist()
+    out = []
+    for p, index, cum, row in zip(params, indices, cums, orders):
+        if p.temperature <= 0.0:
+            out.append(row[0])  # greedy: the most likely token (the first of equals)
+            continue
+        keep = min(bisect.bisect_left(cum, p.top_p) + 1, len(cum))  # the nucleus: top tokens reaching top_p
+        target = uniform_for(p.seed, index) * cum[keep - 1]  # a uniform point in the nucleus's mass
+        out.append(row[min(bisect.bisect_right(cum, target), keep - 1)])
+    return out
