@@ -9,8 +9,9 @@ import pytest
 
 from phalanx.core.errors import ConfigError
 from phalanx.serve.cluster import router_config
-from phalanx.serve.routing_policy import (Policy, PolicyConfig, ReplicaStats, RollingLatency, after_failure,
-                                          choose_replica, hedge_delay_s, latency_outliers, may_hedge, may_retry)
+from phalanx.serve.routing_policy import (HedgeRule, Policy, PolicyConfig, ReplicaStats, RollingLatency, after_failure,
+                                          choose_replica, hedge_delay_s, hedge_target, latency_outliers, may_hedge,
+                                          may_retry)
 
 
 def fleet(*specs: tuple[str, int, float]) -> list[ReplicaStats]:
@@ -100,3 +101,51 @@ def test_a_request_in_flight_longer_than_the_ewma_makes_its_replica_look_slow_at
     cfg = PolicyConfig(policy=Policy.P2C_LATENCY)
     assert choose_replica(0.05, [fast, fresh], cfg, random.Random(0), 0)[0] is fresh  # young request: not yet suspect
     assert choose_replica(1.0, [fast, fresh], cfg, random.Random(0), 0)[0] is fast  # 1 s in flight vs 0.1 s typical
+
+
+def test_the_ewma_keeps_the_time_per_request_so_a_queue_is_counted_once():
+    r = ReplicaStats("r0", healthy=True)
+    r.observe(1.0, 0.3, ahead=3)  # waited behind 3 others: 0.25 s per request
+    assert r.ewma_latency_s == pytest.approx(0.25)
+    r.observe(0.25, 0.3)
+    assert r.ewma_latency_s == pytest.approx(0.25)
+
+
+def hedge_fleet() -> list[ReplicaStats]:
+    # r3 is 10x slow (5 s a request); r0 idle, r1 and r2 with queues of 2 (0.5 s a request each)
+    return fleet(("r0", 0, 0.5), ("r1", 2, 0.5), ("r2", 2, 0.5), ("r3", 1, 5.0))
+
+
+def test_a_hedge_moves_a_request_stuck_behind_a_slow_replica_to_one_with_room():
+    reps = hedge_fleet()
+    target, why = hedge_target(0.0, reps, reps[3], 0, 1.0, PolicyConfig())
+    assert target is reps[0], why  # 0.5 s expected on r0 < 4 s still owed on r3
+
+
+def test_no_hedge_into_queues_that_would_answer_after_the_primary():
+    reps = hedge_fleet()
+    reps[0].outstanding = 2  # every fast replica now has a queue: 1.5 s expected
+    target, why = hedge_target(0.0, reps, reps[1], 1, 0.7, PolicyConfig())  # r1 owes 2 x 0.5 - 0.7 = 0.3 s
+    assert target is None and "no hedge" in why
+    old = PolicyConfig(hedge_rule=HedgeRule.ANY_AFTER_P95)  # the earlier rule hedged anyway, adding load
+    assert hedge_target(0.0, reps, reps[1], 1, 0.7, old)[0] is not None
+
+
+def test_an_overdue_request_is_assumed_to_need_as_long_again():
+    reps = hedge_fleet()
+    # on r1 with nothing ahead, expected 0.5 s, already 2 s in flight: r0 (0.5 s) beats the 2 s it may still need
+    assert hedge_target(0.0, reps, reps[1], 0, 2.0, PolicyConfig())[0] is reps[0]
+
+
+def test_a_hedge_respects_exclusions_and_never_targets_the_primary():
+    reps = hedge_fleet()
+    assert hedge_target(0.0, reps, reps[3], 0, 1.0, PolicyConfig(), frozenset({"r0", "r1", "r2"}))[0] is None
+    for r in reps[:3]:
+        r.healthy = False
+    assert hedge_target(0.0, reps, reps[3], 0, 1.0, PolicyConfig())[0] is None
+
+
+def test_p2c_latency_with_more_choices_draws_that_many_and_keeps_the_cheapest():
+    reps = fleet(("r0", 3, 0.1), ("r1", 0, 0.1), ("r2", 3, 0.1), ("r3", 3, 0.1))
+    cfg = PolicyConfig(p2c_choices=4)
+    assert {choose_replica(0.0, reps, cfg, random.Random(s), 0)[0].replica_id for s in range(20)} == {"r1"}

@@ -108,9 +108,18 @@ def _count_status(resp: httpx.Response, res: LoadResult) -> None:
         res.error_samples.append(f"HTTP {resp.status_code}: {resp.text[:200]}")
 
 
+def poisson_arrivals_s(rate_per_s: float, duration_s: float, seed: int) -> list[float]:
+    """The open-loop schedule (offsets from the start) ``run_load`` follows for this seed: the simulator
+    replays the very same arrivals to compare with a real run."""
+    rng, out, t = random.Random(seed), [], 0.0
+    while t < duration_s:  # bounded: t grows by a positive draw each turn
+        out.append(t)
+        t += rng.expovariate(rate_per_s)
+    return out
+
+
 async def run_load(spec: LoadSpec, on_tick: Callable[[LoadResult, float], None] | None = None) -> LoadResult:
     res = LoadResult()
-    rng = random.Random(spec.seed)
     from phalanx.serve.request_auth import ClusterTokenAuth
 
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else None
@@ -121,14 +130,12 @@ async def run_load(spec: LoadSpec, on_tick: Callable[[LoadResult, float], None] 
         tasks: set[asyncio.Task[None]] = set()
         n = 0
         if spec.rate_per_s:
-            next_s = t0
-            while next_s < end:
-                await asyncio.sleep(max(0.0, next_s - time.monotonic()))
+            for offset_s in poisson_arrivals_s(spec.rate_per_s, spec.duration_s, spec.seed):
+                await asyncio.sleep(max(0.0, t0 + offset_s - time.monotonic()))
                 t = asyncio.create_task(_one(client, spec, spec.seed * 1_000_003 + n, res))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
                 n += 1
-                next_s += rng.expovariate(spec.rate_per_s)
                 if on_tick and n % 10 == 0:
                     on_tick(res, time.monotonic() - t0)
         else:

@@ -10,7 +10,6 @@ requests with retries and hedging. Streams and their resumption are in ``stream_
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
@@ -25,7 +24,8 @@ from phalanx.serve.replica_app import LATENCY_BUCKETS_S
 from phalanx.serve.replica_client import ReplicaConnections
 from phalanx.serve.request_auth import ClusterTokenAuth
 from phalanx.serve.routing_policy import (PolicyConfig, ReplicaStats, RollingLatency, after_failure, backoff_s,
-                                          choose_replica, hedge_delay_s, latency_outliers, may_hedge, may_retry)
+                                          choose_replica, hedge_delay_s, hedge_target, latency_outliers, may_hedge,
+                                          may_retry)
 from phalanx.serve.versions import Consistency, ReplicaVersion, SessionVersions, VersionBook, excluded_for
 
 VERSION_HEADER = "x-phalanx-model-version"
@@ -207,9 +207,7 @@ class Router:
         """``exclude``: replicas already tried (a preference); the rollout's and the session's version
         constraints (``versions.excluded_for``) are hard."""
         now = time.monotonic()
-        hard, why = excluded_for([ReplicaVersion(rid, r.version, self.book.rank(r.version), r.admitting)
-                                  for rid, r in self.replicas.items()], self.cfg.consistency,
-                                 self.sessions.floor(session), pinned)
+        hard, why = self._version_excluded(session, pinned)
         picked, _ = choose_replica(now, self.stats(), self.cfg.policy, self.rng, self.rr, exclude | hard)
         self.rr += 1
         if picked is None and exclude:
@@ -219,6 +217,11 @@ class Router:
                 raise VersionHeldBack(f"no replica may serve this request now ({why})")
             raise AttemptFailed("no healthy replica")
         return self.replicas[picked.replica_id]
+
+    def _version_excluded(self, session: str | None, pinned: str | None = None) -> tuple[frozenset[str], str]:
+        return excluded_for([ReplicaVersion(rid, r.version, self.book.rank(r.version), r.admitting)
+                             for rid, r in self.replicas.items()], self.cfg.consistency, self.sessions.floor(session),
+                            pinned)
 
     async def choose_waiting(self, exclude: frozenset[str], session: str | None = None, pinned: str | None = None
                               ) -> ReplicaState:
@@ -266,6 +269,7 @@ class Router:
     async def _attempt(self, r: ReplicaState, path: str, body: bytes) -> tuple[int, Any, str]:
         """One try; a 200 answer comes back as the replica's bytes (checked to be a JSON object, passed
         through without re-encoding), any other as the parsed error object."""
+        ahead = r.stats.outstanding  # what it already had: the EWMA learns the time per request
         r.stats.outstanding += 1
         t0 = time.monotonic()
         r.stats.inflight_since_s.append(t0)
@@ -285,7 +289,7 @@ class Router:
             draining = isinstance(payload, dict) and (payload.get("error") or {}).get("code") == "draining"
             raise AttemptFailed(f"{r.stats.replica_id}: HTTP {resp.status}", draining)
         if resp.status == 200:
-            r.stats.observe(time.monotonic() - t0, self.cfg.policy.ewma_alpha)
+            r.stats.observe(time.monotonic() - t0, self.cfg.policy.ewma_alpha, ahead)
             return 200, resp.body, resp.headers.get(VERSION_HEADER, r.version)
         return resp.status, payload, resp.headers.get(VERSION_HEADER, r.version)
 
@@ -328,6 +332,7 @@ class Router:
 
     async def _hedged(self, r: ReplicaState, path: str, body: bytes, tried: set[str], session: str | None
                       ) -> tuple[int, Any, str]:
+        ahead, t0 = r.stats.outstanding, time.monotonic()
         primary = asyncio.ensure_future(self._attempt(r, path, body))
         tasks = {primary}
         owner = {primary: r}
@@ -336,15 +341,18 @@ class Router:
             if delay is not None:
                 done, _ = await asyncio.wait(tasks, timeout=delay)
                 if not done and may_hedge(self.requests_total, self.hedges_total, self.cfg.policy)[0]:
-                    with contextlib.suppress(AttemptFailed):
-                        other = self._choose(frozenset(tried), session)
-                        if other is not r:
-                            tried.add(other.stats.replica_id)
-                            self.hedges_total += 1
-                            self.metrics.hedges.inc()
-                            hedge = asyncio.ensure_future(self._attempt(other, path, body))
-                            tasks.add(hedge)
-                            owner[hedge] = other
+                    # only to a replica expected to finish first (a hedge into a queue just adds load)
+                    hard, _ = self._version_excluded(session)
+                    picked, _ = hedge_target(time.monotonic(), self.stats(), r.stats, ahead, time.monotonic() - t0,
+                                             self.cfg.policy, frozenset(tried) | hard)
+                    if picked is not None:
+                        other = self.replicas[picked.replica_id]
+                        tried.add(other.stats.replica_id)
+                        self.hedges_total += 1
+                        self.metrics.hedges.inc()
+                        hedge = asyncio.ensure_future(self._attempt(other, path, body))
+                        tasks.add(hedge)
+                        owner[hedge] = other
             error: BaseException | None = None
             while tasks:  # bounded: each attempt ends by answer, error, timeout or its replica leaving rotation
                 done, tasks = await asyncio.wait(tasks, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)

@@ -18,6 +18,11 @@ class Policy(str, Enum):
     ROUND_ROBIN = "round-robin"
 
 
+class HedgeRule(str, Enum):
+    EXPECTED_FIRST = "expected-first"  # only to a replica expected to answer before the primary (hedge_target)
+    ANY_AFTER_P95 = "any-after-p95"  # to the cheapest other replica, whatever its queue (the rule before session 12)
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     policy: Policy = Policy.P2C_LATENCY
@@ -32,6 +37,8 @@ class PolicyConfig:
     ejection_s: float = 2.0
     outlier_latency_ratio: float = 5.0  # EWMA this many times the median of the others: passive ejection (0: off)
     outlier_min_samples: int = 10
+    p2c_choices: int = 2  # candidates drawn per choice (2: power of two choices)
+    hedge_rule: HedgeRule = HedgeRule.EXPECTED_FIRST
 
 
 @dataclass
@@ -47,7 +54,10 @@ class ReplicaStats:
     ejected_until_s: float = 0.0
     inflight_since_s: list[float] = field(default_factory=list)  # start times of unary attempts in flight
 
-    def observe(self, latency_s: float, alpha: float) -> None:
+    def observe(self, latency_s: float, alpha: float, ahead: int = 0) -> None:
+        """``ahead``: requests this replica already had when the measured one was sent. The EWMA keeps the time
+        per request (latency / (ahead + 1)), so the cost (outstanding + 1) x EWMA counts the queue once."""
+        latency_s = latency_s / (ahead + 1)
         self.ewma_latency_s = latency_s if self.samples == 0 else (1 - alpha) * self.ewma_latency_s + alpha * latency_s
         self.samples += 1
         self.consecutive_failures = 0
@@ -78,15 +88,46 @@ def choose_replica(now: float, replicas: list[ReplicaStats], cfg: PolicyConfig, 
         return r, f"round-robin slot {rr_index % len(cands)}"
     if len(cands) == 1:
         return cands[0], "only candidate"
-    a, b = rng.sample(cands, 2)
+    drawn = rng.sample(cands, min(len(cands), max(2, cfg.p2c_choices)))
     if cfg.policy is Policy.P2C_QUEUE:
+        a, b = drawn[:2]
         pick = a if (a.outstanding, a.replica_id) <= (b.outstanding, b.replica_id) else b
         return pick, f"p2c-queue {a.replica_id}={a.outstanding} vs {b.replica_id}={b.outstanding}"
-    known = [r.ewma_latency_s for r in cands if r.samples]
-    typical = sorted(known)[len(known) // 2] if known else 0.0  # an unmeasured replica costs the median
-    ca, cb = _cost(a, typical, now), _cost(b, typical, now)
-    pick = a if (ca, a.outstanding) <= (cb, b.outstanding) else b
-    return pick, f"p2c-latency {a.replica_id}={ca:.4f} vs {b.replica_id}={cb:.4f}"
+    typical = typical_latency_s(cands)
+    costs = [(_cost(r, typical, now), r.outstanding) for r in drawn]
+    pick = drawn[costs.index(min(costs))]  # a tie goes to the first drawn: random, so an unmeasured replica gets tried
+    return pick, "p2c-latency " + " vs ".join(f"{r.replica_id}={c:.4f}" for r, (c, _) in zip(drawn, costs))
+
+
+def typical_latency_s(cands: list[ReplicaStats]) -> float:
+    known = sorted(r.ewma_latency_s for r in cands if r.samples)
+    return known[len(known) // 2] if known else 0.0  # an unmeasured replica costs the median
+
+
+def hedge_target(now: float, replicas: list[ReplicaStats], primary: ReplicaStats, ahead: int, elapsed_s: float,
+                 cfg: PolicyConfig, exclude: frozenset[str] = frozenset()) -> tuple[ReplicaStats | None, str]:
+    """Where a second copy of a request that has waited ``elapsed_s`` on ``primary`` should go, if anywhere.
+
+    A hedge adds a request's work to a replica, so it only goes where it is expected to finish before
+    the primary: the cheapest other replica by (outstanding + 1) x EWMA, and only if that beats what
+    the primary still owes (its time per request x (``ahead`` + 1), less what has elapsed; a request
+    already past that is assumed to need as long again). On a busy fleet this sends no hedge to a queue
+    that would finish later anyway (hedges there only add load), while a request stuck behind a slow
+    replica moves to a fast one with room."""
+    cands = [r for r in eligible(now, replicas, exclude) if r.replica_id != primary.replica_id]
+    if not cands:
+        return None, "no other replica to hedge to"
+    typical = typical_latency_s(cands + [primary])
+    target = min(cands, key=lambda r: (_cost(r, typical, now), r.outstanding, r.replica_id))
+    target_s = _cost(target, typical, now)
+    if cfg.hedge_rule is HedgeRule.ANY_AFTER_P95:
+        return target, f"hedge to {target.replica_id} ({target_s:.3f} s expected)"
+    per_request_s = primary.ewma_latency_s if primary.samples else typical
+    owed_s = per_request_s * (ahead + 1) - elapsed_s
+    remaining_s = owed_s if owed_s > 0 else elapsed_s
+    if target_s < remaining_s:
+        return target, f"hedge to {target.replica_id}: {target_s:.3f} s expected < {remaining_s:.3f} s left on {primary.replica_id}"
+    return None, f"no hedge: best other {target.replica_id} {target_s:.3f} s >= {remaining_s:.3f} s left on {primary.replica_id}"
 
 
 def may_retry(active: int, retries_in_flight: int, attempt: int, cfg: PolicyConfig, attempts_max: int = 3,

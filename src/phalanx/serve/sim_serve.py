@@ -13,6 +13,7 @@ result, and an hour of traffic on 64 replicas takes seconds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from phalanx.membership.failure_detector import DetectorConfig, Liveness, heartb
 from phalanx.serve.loadtest import quantile
 from phalanx.serve.replica_faults import RTO_MIN_S
 from phalanx.serve.routing_policy import (Policy, PolicyConfig, ReplicaStats, RollingLatency, after_failure, backoff_s,
-                                          choose_replica, hedge_delay_s, latency_outliers, may_hedge, may_retry)
+                                          choose_replica, hedge_delay_s, hedge_target, latency_outliers, may_hedge, may_retry)
 from phalanx.serve.serving_faults import ServingFault
 
 
@@ -39,6 +40,15 @@ class SimServeConfig:
     attempts_max: int = 4
     progress_timeout_s: float = 0.8
     detector: DetectorConfig = DetectorConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
+    policy_config: PolicyConfig | None = None  # the router's tunables (budgets, ratios); its policy is ``policy``
+    # calibration from a real run (bench serving): its arrival schedule, replayed instead of fresh Poisson draws;
+    # a warm-up schedule run first (answered before the measured one starts, as the benchmark does); measured
+    # service times of one request on a healthy replica, drawn from instead of service_s x U(0.8, 1.2); the
+    # router's own time per request
+    arrivals_s: tuple[float, ...] | None = None
+    warmup_arrivals_s: tuple[float, ...] = ()
+    service_samples_s: tuple[float, ...] | None = None
+    router_hop_s: float = 0.0
 
 
 RESTART_S = 3.0  # a killed replica with restart = true is serving again this long after (the model loads)
@@ -67,18 +77,21 @@ class SimReplica:
     last_heartbeat_s: float = 0.0
     good_polls: int = 0
     ever_healthy: bool = False
+    served: int = 0  # answers it finished (a cancelled hedge loser or moved request is not one)
 
 
 class ServeSim:
     def __init__(self, cfg: SimServeConfig, faults: list[ServingFault]) -> None:
         self.cfg, self.faults = cfg, faults
-        self.pcfg = PolicyConfig(policy=cfg.policy)
+        self.pcfg = dataclasses.replace(cfg.policy_config or PolicyConfig(), policy=cfg.policy)
         self.reps = [SimReplica(ReplicaStats(f"r{i:03d}")) for i in range(cfg.replicas)]
         self.rng_policy = random.Random(f"policy:{cfg.seed}")
         self.rng_service = random.Random(f"service:{cfg.seed}")
         self.rng_net = random.Random(f"net:{cfg.seed}")
         self.history = RollingLatency()
         self.latencies_s: list[float] = []
+        self.starts_s: list[float] = []  # when each answered request arrived, from the measured part's start
+        self.t0_s = 0.0
         self.failed = self.retries = self.hedges = self.requests = self.active = self.retries_in_flight = 0
         self.rr = 0
         self.detections: list[dict[str, Any]] = []
@@ -98,23 +111,30 @@ class ServeSim:
         return wait
 
     async def _serve_one(self, r: SimReplica, fut: asyncio.Future[None]) -> None:
-        r.running += 1
-        try:  # a cancelled request (hedge loser, moved) frees its slot at once, as the engine's cancel does
-            await asyncio.wait({fut}, timeout=self.cfg.service_s * r.factor * self.rng_service.uniform(0.8, 1.2))
+        try:  # r.running was counted by _start_next when it took the request off the queue  # a cancelled request (hedge loser, moved) frees its slot at once, as the engine's cancel does
+            await asyncio.wait({fut}, timeout=self._service_s(r))
             while max(r.frozen_until_s, r.hung_until_s) > self.now():  # a stopped engine frees nothing,
                 await asyncio.sleep(max(r.frozen_until_s, r.hung_until_s) - self.now())  # not even cancelled work
             while not fut.done() and r.partition_until_s > self.now():  # the answer cannot leave yet
                 await asyncio.wait({fut}, timeout=r.partition_until_s - self.now())
             if r.alive and not fut.done():
                 fut.set_result(None)
+                r.served += 1
         finally:
             r.running -= 1
             self._start_next(r)
+
+    def _service_s(self, r: SimReplica) -> float:
+        if self.cfg.service_samples_s:
+            return r.factor * self.rng_service.choice(self.cfg.service_samples_s)
+        return self.cfg.service_s * r.factor * self.rng_service.uniform(0.8, 1.2)
 
     def _start_next(self, r: SimReplica) -> None:
         while r.alive and r.running < self.cfg.slots and r.queue:
             fut = r.queue.popleft()
             if not fut.done():
+                r.running += 1  # counted now, not when the task first runs: another _start_next in the same
+                assert r.running <= self.cfg.slots  # instant must see the slot taken
                 asyncio.ensure_future(self._serve_one(r, fut))
 
     async def _call(self, r: SimReplica) -> None:
@@ -144,6 +164,7 @@ class ServeSim:
 
     # --- the router (the same decisions as serve.router) ------------------------------------------
     async def _attempt(self, r: SimReplica) -> None:
+        ahead = r.stats.outstanding  # what it already had: the EWMA learns the time per request
         r.stats.outstanding += 1
         t0 = self.now()
         r.stats.inflight_since_s.append(t0)
@@ -157,7 +178,7 @@ class ServeSim:
         finally:
             r.stats.outstanding -= 1
             r.stats.inflight_since_s.remove(t0)
-        r.stats.observe(self.now() - t0, self.pcfg.ewma_alpha)
+        r.stats.observe(self.now() - t0, self.pcfg.ewma_alpha, ahead)
 
     def _choose(self, tried: set[str]) -> SimReplica | None:
         stats = [r.stats for r in self.reps]
@@ -168,14 +189,17 @@ class ServeSim:
         return None if picked is None else self.by_id[picked.replica_id]
 
     async def _hedged(self, r: SimReplica, tried: set[str]) -> None:
+        ahead, t0 = r.stats.outstanding, self.now()
         tasks = {asyncio.ensure_future(self._attempt(r))}
         delay = hedge_delay_s(self.history, self.pcfg) if self.cfg.hedging else None
         try:
             if delay is not None:
                 done, _ = await asyncio.wait(tasks, timeout=delay)
                 if not done and may_hedge(self.requests, self.hedges, self.pcfg)[0]:
-                    other = self._choose(tried)
-                    if other is not None and other is not r:
+                    picked, _ = hedge_target(self.now(), [x.stats for x in self.reps], r.stats, ahead, self.now() - t0,
+                                             self.pcfg, frozenset(tried))
+                    other = None if picked is None else self.by_id[picked.replica_id]
+                    if other is not None:
                         tried.add(other.stats.replica_id)
                         self.hedges += 1
                         tasks.add(asyncio.ensure_future(self._attempt(other)))
@@ -199,6 +223,8 @@ class ServeSim:
         tried: set[str] = set()
         gone = False
         try:
+            if self.cfg.router_hop_s:
+                await asyncio.sleep(self.cfg.router_hop_s)
             for attempt in range(self.cfg.attempts_max):
                 if attempt:
                     if not may_retry(self.active, self.retries_in_flight, attempt, self.pcfg, self.cfg.attempts_max,
@@ -216,6 +242,7 @@ class ServeSim:
                 try:
                     await self._hedged(r, tried)
                     self.latencies_s.append(self.now() - t0)
+                    self.starts_s.append(t0 - self.t0_s)
                     self.history.add(self.now() - t0)
                     return
                 except ReplicaGone as e:
@@ -264,7 +291,7 @@ class ServeSim:
     # --- faults and the run ----------------------------------------------------------------------
     async def _faults(self) -> None:
         for f in sorted(self.faults, key=lambda f: (f.at_s, f.line)):
-            await asyncio.sleep(max(0.0, f.at_s - self.now()))
+            await asyncio.sleep(max(0.0, self.t0_s + f.at_s - self.now()))
             if not 0 <= f.replica < len(self.reps):
                 continue
             r, until = self.reps[f.replica], self.now() + (f.for_s if f.for_s else 1e9)
@@ -288,27 +315,50 @@ class ServeSim:
         self.by_id = {r.stats.replica_id: r for r in self.reps}
         for r in self.reps:
             r.stats.healthy = r.ever_healthy = True
-        arrivals = random.Random(f"arrivals:{self.cfg.seed}")
-        tasks = [asyncio.ensure_future(self._membership(self.cfg.duration_s + 60)), asyncio.ensure_future(self._faults())]
-        requests: set[asyncio.Future[None]] = set()
-        t = arrivals.expovariate(self.cfg.rate_per_s)
-        while t < self.cfg.duration_s:
-            await asyncio.sleep(t - self.now())
-            fut = asyncio.ensure_future(self._request())
-            requests.add(fut)
-            fut.add_done_callback(requests.discard)
-            t += arrivals.expovariate(self.cfg.rate_per_s)
-        if requests:
-            await asyncio.wait(set(requests), timeout=60.0)
+        tasks = [asyncio.ensure_future(self._membership(self.cfg.duration_s + 60 + self._warmup_end_s()))]
+        if self.cfg.warmup_arrivals_s:  # the router learns the replicas first; counts restart afterwards
+            await self._arrive(self.cfg.warmup_arrivals_s)
+            self.latencies_s, self.starts_s = [], []
+            self.failed = self.retries = self.hedges = self.requests = 0
+            for r in self.reps:
+                r.served = 0
+        self.t0_s = self.now()
+        tasks.append(asyncio.ensure_future(self._faults()))  # fault times count from the measured part's start
+        await self._arrive(self.cfg.arrivals_s if self.cfg.arrivals_s is not None else self._poisson_s())
         for task in tasks:
             task.cancel()
         return self.summary()
+
+    def _poisson_s(self) -> list[float]:
+        arrivals = random.Random(f"arrivals:{self.cfg.seed}")
+        out, t = [], arrivals.expovariate(self.cfg.rate_per_s)
+        while t < self.cfg.duration_s:
+            out.append(t)
+            t += arrivals.expovariate(self.cfg.rate_per_s)
+        return out
+
+    def _warmup_end_s(self) -> float:
+        return max(self.cfg.warmup_arrivals_s, default=0.0) + 60.0 if self.cfg.warmup_arrivals_s else 0.0
+
+    async def _arrive(self, offsets_s: tuple[float, ...] | list[float]) -> None:
+        """Send a request at each offset from now, then wait (at most 60 virtual s) for their answers."""
+        start_s = self.now()
+        requests: set[asyncio.Future[None]] = set()
+        for offset_s in offsets_s:
+            await asyncio.sleep(max(0.0, start_s + offset_s - self.now()))
+            fut = asyncio.ensure_future(self._request())
+            requests.add(fut)
+            fut.add_done_callback(requests.discard)
+        if requests:
+            await asyncio.wait(set(requests), timeout=60.0)
 
     def summary(self) -> dict[str, Any]:
         lat = self.latencies_s
         return {"policy": self.cfg.policy.value + ("+hedge" if self.cfg.hedging else ""), "seed": self.cfg.seed,
                 "replicas": self.cfg.replicas, "rate_per_s": self.cfg.rate_per_s, "requests": self.requests,
                 "ok": len(lat), "failed": self.failed, "retries": self.retries, "hedges": self.hedges,
+                "unfinished": self.requests - len(lat) - self.failed,  # still waiting 60 virtual s after the last
+                "served": sum(r.served for r in self.reps),
                 "latency_s": {k: None if quantile(lat, q) is None else round(quantile(lat, q) or 0.0, 6)
                               for k, q in (("p50", 0.5), ("p99", 0.99), ("p99.9", 0.999))},
                 "membership": self.detections[:200]}
