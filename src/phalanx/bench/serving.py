@@ -34,19 +34,46 @@ from phalanx.serve.cluster import make_token_file, spawn_replicas, spawn_router,
 from phalanx.serve.loadtest import LoadSpec, quantile, run_load, summarize
 from phalanx.serve.request_auth import ClusterTokenAuth
 
-SLOW_CASES = [("healthy", "p2c-latency", False), ("round-robin", "round-robin", False), ("p2c-queue", "p2c-queue", False),
-              ("p2c-latency", "p2c-latency", False), ("p2c-latency+hedge", "p2c-latency", True)]
+# (name, policy, hedging, router args): "round-robin, no ejection" is the routers in wide use, whose health checks
+# a slow replica passes (passive outlier ejection off)
+SLOW_CASES = [("healthy", "p2c-latency", False, []), ("round-robin, no ejection", "round-robin", False,
+                                                     ["--outlier-ratio", "0"]),
+              ("round-robin", "round-robin", False, []), ("p2c-queue", "p2c-queue", False, []),
+              ("p2c-latency", "p2c-latency", False, []), ("p2c-latency+hedge", "p2c-latency", True, [])]
+FAILOVER_CASE = "SIGKILL 1 of 4 (p2c-latency, 50 % load)"
+WARMUP_SEED = 99
 MODEL_ARGS = ["--random-weights", "0"]
 
 
 def _service_time_s(url: str, token: bytes, max_tokens: int, n: int = 20) -> float:
+    return sum(_service_times_s(url, token, max_tokens, n)) / n
+
+
+def _service_times_s(url: str, token: bytes | None, max_tokens: int, n: int = 20) -> list[float]:
+    """One request at a time, each timed: the service time of one request alone (no queue)."""
     body = {"model": "phalanx-charlm", "prompt": "The ", "max_tokens": max_tokens, "temperature": 0.8}
-    with httpx.Client(timeout=30, auth=ClusterTokenAuth(token)) as c:
+    out = []
+    with httpx.Client(timeout=60, auth=ClusterTokenAuth(token) if token is not None else None) as c:
         c.post(url + "/v1/completions", json=body)
-        t0 = time.monotonic()
         for i in range(n):
+            t0 = time.monotonic()
             c.post(url + "/v1/completions", json=dict(body, seed=i))
-    return (time.monotonic() - t0) / n
+            out.append(time.monotonic() - t0)
+    return out
+
+
+def _wait_idle(urls: list[str], token: bytes, timeout_s: float = 90.0) -> None:
+    """Until no replica has work queued or running (a case's leftovers must not delay the next case)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5, auth=ClusterTokenAuth(token)) as c:
+        while time.monotonic() < deadline:  # bounded by the deadline
+            try:
+                hs = [c.get(u + "/health").json() for u in urls]
+            except httpx.HTTPError:
+                return
+            if all(int(h.get("batch_size", 0)) + int(h.get("queue_depth", 0)) == 0 for h in hs):
+                return
+            time.sleep(0.5)
 
 
 def _metric(url: str, name: str) -> float:
@@ -55,12 +82,6 @@ def _metric(url: str, name: str) -> float:
     except httpx.HTTPError:
         return 0.0
     return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name))
-
-
-def _row(name: str, r: dict[str, Any], base_p99: float) -> str:
-    lat = r["latency_s"]
-    return (f"| {name} | {r['ok']} | {r['errors']} | {lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99.9']:.3f} | "
-            f"{lat['p99'] / base_p99:.2f}x | {r.get('hedges', 0):.0f} ({100 * r.get('hedges', 0) / max(r['ok'], 1):.1f} %) |")
 
 
 def _base_slowdown(token_file: Path, max_tokens: int, target_s: float) -> tuple[float, float]:
@@ -75,60 +96,224 @@ def _base_slowdown(token_file: Path, max_tokens: int, target_s: float) -> tuple[
 
 
 def slow_replica(token_file: Path, duration_s: float, load: float, max_tokens: int, warmup_s: float = 3.0,
-                 target_service_s: float = 0.5) -> dict[str, Any]:
+                 target_service_s: float = 0.25, failover_load: float = 0.5) -> dict[str, Any]:
+    """Every policy on the same 5 replica processes (r3 10x slow, r4 its healthy stand-in), one router per case,
+    the same seeded Poisson schedule per case after a warm-up; then a SIGKILL of r1 under a healthy set. The
+    simulator replays each case on the same schedule with a service model calibrated from this run (below)."""
     token = read_token_file(token_file)
     base, cpu_s = _base_slowdown(token_file, max_tokens, target_service_s)
     reps = spawn_replicas(5, MODEL_ARGS + ["--batch-size-max", "1", "--queue-depth-max", "10000"], token_file,
                           {i: ["--slowdown-factor", f"{base * (10 if i == 3 else 1):.3f}"] for i in range(5)})
     results: dict[str, Any] = {}
+    calib: dict[str, Any] = {}
     try:
         urls = {r.replica_id: r.url for r in reps}
-        service_s = _service_time_s(urls["r0"], token, max_tokens)
+        for rid in ("r1", "r2", "r4"):  # the first requests of a fresh process are slow (allocations, lazy init)
+            _service_times_s(urls[rid], token, max_tokens, 5)
+        _service_times_s(urls["r0"], token, max_tokens, 5)
+        samples = _service_times_s(urls["r0"], token, max_tokens, 40)
+        service_s = sum(samples) / len(samples)
+        slow = _service_times_s(urls["r3"], token, max_tokens, 3)
+        calib = {"service_samples_s": samples, "slow_factor": sorted(slow)[1] / sorted(samples)[len(samples) // 2]}
         rate = load * 4 / service_s
         print(f"[slow replica] one request: {cpu_s * 1000:.1f} ms CPU, {service_s * 1000:.1f} ms served (slowdown "
-              f"{base:.2f}) -> load {rate:.1f} req/s", flush=True)
-        for name, policy, hedging in SLOW_CASES:
+              f"{base:.2f}; the slow one {calib['slow_factor']:.1f}x) -> load {rate:.1f} req/s", flush=True)
+        for name, policy, hedging, extra in SLOW_CASES:
             chosen = {k: v for k, v in urls.items() if k != ("r3" if name == "healthy" else "r4")}
-            router = spawn_router(chosen, token_file, policy, hedging)
-            try:  # a warm router (as in production): the first seconds teach it the replicas' latencies
-                asyncio.run(run_load(LoadSpec(url=router.url, duration_s=warmup_s, rate_per_s=rate,
-                                              max_tokens=max_tokens, timeout_s=60, seed=99)))
-                hedges0 = _metric(router.url, "phalanx_router_hedges_total")
-                res = asyncio.run(run_load(LoadSpec(url=router.url, duration_s=duration_s, rate_per_s=rate,
-                                                    max_tokens=max_tokens, timeout_s=60)))
-                results[name] = summarize(LoadSpec(url=router.url, rate_per_s=rate), res)
-                results[name]["hedges"] = _metric(router.url, "phalanx_router_hedges_total") - hedges0
-            finally:
-                router.stop()
-            lat = results[name]["latency_s"]
-            print(f"  {name:20s} ok {results[name]['ok']:5d} err {results[name]['errors']:3d} p50 {lat['p50']:.3f} "
-                  f"p99 {lat['p99']:.3f} p99.9 {lat['p99.9']:.3f}", flush=True)
+            results[name] = _slow_case(chosen, token_file, policy, hedging, extra, rate, duration_s, warmup_s,
+                                       max_tokens)
+            _wait_idle(list(urls.values()), token)
+        healthy = {k: v for k, v in urls.items() if k != "r3"}
+        calib["router_hop_s"] = _router_hop_s(healthy, token_file, token)
+        results[FAILOVER_CASE] = _slow_case(healthy, token_file, "p2c-latency", False, [], rate * failover_load / load,
+                                            duration_s, warmup_s, max_tokens, kill=reps[1])
     finally:
         stop_replicas(reps)
-    sim = simulated_slow_replica(service_s, rate, duration_s + warmup_s)
-    return {"service_time_s": service_s, "cpu_time_s": cpu_s, "rate_per_s": rate, "warmup_s": warmup_s,
-            "results": results, "simulated": sim}
+    out = {"service_time_s": service_s, "cpu_time_s": cpu_s, "rate_per_s": rate, "warmup_s": warmup_s,
+           "duration_s": duration_s, "calibration": calib, "results": results}
+    out["simulated"], out["calibration"]["load_scale"] = simulated_slow_replica(out)
+    out["oracle"] = oracle_bound(out)
+    return out
 
 
-def simulated_slow_replica(service_s: float, rate: float, duration_s: float, seed: int = 0) -> dict[str, Any]:
-    """The same scenario in ``phalanx sim serve`` (the router's own decision code in virtual time), for
-    the simulator-against-real comparison (target: p50 and p99 within 15 %)."""
-    from phalanx.serve.routing_policy import Policy
+def _slow_case(chosen: dict[str, str], token_file: Path, policy: str, hedging: bool, extra: list[str], rate: float,
+               duration_s: float, warmup_s: float, max_tokens: int, kill: Any = None) -> dict[str, Any]:
+    router = spawn_router(chosen, token_file, policy, hedging, extra=extra)
+    try:  # a warm router (as in production): the first seconds teach it the replicas' latencies
+        asyncio.run(run_load(LoadSpec(url=router.url, duration_s=warmup_s, rate_per_s=rate, max_tokens=max_tokens,
+                                      timeout_s=60, seed=WARMUP_SEED)))
+        hedges0 = _metric(router.url, "phalanx_router_hedges_total")
+        spec = LoadSpec(url=router.url, duration_s=duration_s, rate_per_s=rate, max_tokens=max_tokens, timeout_s=60)
+
+        async def measured() -> Any:
+            load = asyncio.create_task(run_load(spec))
+            if kill is not None:
+                await asyncio.sleep(duration_s / 2)
+                kill.proc.send_signal(signal.SIGKILL)
+            return await load
+
+        res = asyncio.run(measured())
+        r = summarize(LoadSpec(url=router.url, rate_per_s=rate), res)
+        r["hedges"] = _metric(router.url, "phalanx_router_hedges_total") - hedges0
+        r["latencies_s"], r["starts_s"] = res.latencies_s, res.starts_s
+        if kill is not None:
+            r["kill_at_s"] = duration_s / 2
+    finally:
+        router.stop()
+    lat = r["latency_s"]
+    print(f"  {policy + (' + hedge' if hedging else ''):20s} ok {r['ok']:5d} err {r['errors']:3d} p50 {lat['p50']:.3f} "
+          f"p99 {lat['p99']:.3f} p99.9 {lat['p99.9']:.3f} (load average {os.getloadavg()[0]:.1f})", flush=True)
+    r["loadavg"] = os.getloadavg()[0]
+    return r
+
+
+def _router_hop_s(urls: dict[str, str], token_file: Path, token: bytes) -> float:
+    """What the router adds to one request alone (1-token completions, median of 30, through it vs direct)."""
+    router = spawn_router(urls, token_file)
+    try:
+        routed = sorted(_service_times_s(router.url, None, 1, 30))
+    finally:
+        router.stop()
+    direct = sorted(_service_times_s(urls["r0"], token, 1, 30))
+    return max(0.0, routed[15] - direct[15])
+
+
+def _sim_case(bench: dict[str, Any], name: str, scale: float, seed: int = 0) -> dict[str, Any]:
+    """One case of the benchmark in ``phalanx sim serve``: the router's own decision code on the same arrival
+    schedule (warm-up, then the measured part), the replicas drawing the measured service times x ``scale``."""
+    import dataclasses
+
+    from phalanx.serve.loadtest import poisson_arrivals_s
+    from phalanx.serve.routing_policy import Policy, PolicyConfig
     from phalanx.serve.serving_faults import ServingFault
-    from phalanx.serve.sim_serve import SimServeConfig, simulate
+    from phalanx.serve.sim_serve import ServeSim, SimServeConfig
     from phalanx.sim.loop import VirtualTimeLoop
 
+    cal, real = bench["calibration"], bench["results"][name]
+    rate = real["spec"]["rate_per_s"]
+    case = {c[0]: c for c in SLOW_CASES}.get(name, (name, "p2c-latency", False, []))
+    pcfg = PolicyConfig(outlier_latency_ratio=0.0) if "--outlier-ratio" in case[3] else PolicyConfig()
+    if name == FAILOVER_CASE:
+        faults = [ServingFault("kill", 1, real["kill_at_s"], None, 1.0, 0)]
+    else:
+        faults = [] if name == "healthy" else [ServingFault("straggler", 3, 0.0, None, cal["slow_factor"], 0)]
+    cfg = SimServeConfig(replicas=4, rate_per_s=rate, duration_s=bench["duration_s"], slots=1,
+                         policy=Policy(case[1]), hedging=case[2], seed=seed, policy_config=pcfg,
+                         arrivals_s=tuple(poisson_arrivals_s(rate, bench["duration_s"], 0)),
+                         warmup_arrivals_s=tuple(poisson_arrivals_s(rate, bench["warmup_s"], WARMUP_SEED)),
+                         service_samples_s=tuple(scale * x for x in cal["service_samples_s"]),
+                         router_hop_s=cal.get("router_hop_s", 0.0))
+    sim = ServeSim(dataclasses.replace(cfg), faults)
+    loop = VirtualTimeLoop(seed)
+    try:
+        out = loop.run_until_complete(sim.run())
+    finally:
+        loop.close()
+    out.pop("membership", None)
+    out["latencies_s"], out["starts_s"] = sim.latencies_s, sim.starts_s
+    return out
+
+
+def _fit_load_scale(bench: dict[str, Any]) -> float:
+    """The factor on the alone-measured service times that makes the simulated all-healthy p50 equal the real
+    one: what running 4 replicas, the router and the load generator side by side costs each request (the
+    calibration run is the fault-free case, as the training fidelity benchmark's is)."""
+    target = bench["results"]["healthy"]["latency_s"]["p50"]
+    lo, hi = 0.3, 4.0
+    for _ in range(14):  # bisection: the simulated p50 grows with the scale
+        mid = (lo + hi) / 2
+        if _sim_case(bench, "healthy", mid)["latency_s"]["p50"] < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def simulated_slow_replica(bench: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Every real case replayed in the simulator, uncalibrated (service times measured alone) and calibrated
+    (scaled so the healthy p50 matches); target: p50 and p99 within 15 %."""
+    scale = _fit_load_scale(bench)
     out: dict[str, Any] = {}
-    for name, policy, hedging in SLOW_CASES:
-        faults = [] if name == "healthy" else [ServingFault("straggler", 3, 0.0, None, 10.0, 0)]
-        loop = VirtualTimeLoop(seed)
-        try:
-            out[name] = loop.run_until_complete(simulate(SimServeConfig(
-                replicas=4, rate_per_s=rate, duration_s=duration_s, service_s=service_s, slots=1,
-                policy=Policy(policy), hedging=hedging, seed=seed), faults))
-        finally:
-            loop.close()
-        out[name].pop("membership", None)
+    for name in bench["results"]:
+        raw, cal = _sim_case(bench, name, 1.0), _sim_case(bench, name, scale)
+        out[name] = dict(cal, uncalibrated={"latency_s": raw["latency_s"]})
+    return out, scale
+
+
+def oracle_bound(bench: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """What the best possible dispatcher gets on the same schedule and service model: each request goes, on
+    arrival, to the replica where it would finish first, knowing every request's service time in advance
+    (no router can know more). Its p99 ratio is a floor for any routing policy on this scenario."""
+    import random
+
+    from phalanx.serve.loadtest import poisson_arrivals_s
+
+    cal, scale = bench["calibration"], bench["calibration"]["load_scale"]
+    rate, out = bench["results"]["healthy"]["spec"]["rate_per_s"], {}
+    for name, factors in (("healthy", [1.0] * 4), ("one 10x slow", [1.0, 1.0, 1.0, cal["slow_factor"]])):
+        rng, free, lat = random.Random(seed), [0.0] * 4, []
+        for t in poisson_arrivals_s(rate, bench["duration_s"], 0):
+            base = scale * rng.choice(cal["service_samples_s"])
+            k = min(range(4), key=lambda j: max(free[j], t) + base * factors[j])
+            free[k] = max(free[k], t) + base * factors[k]
+            lat.append(free[k] - t)
+        out[name] = {"p50": quantile(lat, 0.5), "p99": quantile(lat, 0.99), "n": len(lat)}
+    return out
+
+
+def sim_tail(seeds: int = 5, duration_s: float = 300.0, service_s: float = 0.5, load: float = 0.7) -> dict[str, Any]:
+    """The slow-replica scenario in the simulator only, 4 and 8 replicas, several seeds: each policy's p99 over
+    the all-healthy p99 of the same seed, hedging with the rule before session 12 (any replica after the p95)
+    beside the current one, and the floor no dispatcher can beat (``oracle_bound``'s rule). Seconds to run."""
+    import random
+    import statistics
+
+    from phalanx.serve.loadtest import poisson_arrivals_s
+    from phalanx.serve.routing_policy import HedgeRule, Policy, PolicyConfig
+    from phalanx.serve.serving_faults import ServingFault
+    from phalanx.serve.sim_serve import ServeSim, SimServeConfig
+    from phalanx.sim.loop import VirtualTimeLoop
+
+    cases = [("round-robin, no ejection", Policy.ROUND_ROBIN, False, PolicyConfig(outlier_latency_ratio=0.0)),
+             ("round-robin", Policy.ROUND_ROBIN, False, PolicyConfig()), ("p2c-queue", Policy.P2C_QUEUE, False,
+                                                                          PolicyConfig()),
+             ("p2c-latency", Policy.P2C_LATENCY, False, PolicyConfig()),
+             ("p2c-latency+hedge", Policy.P2C_LATENCY, True, PolicyConfig()),
+             ("p2c-latency+hedge (any replica after p95)", Policy.P2C_LATENCY, True,
+              PolicyConfig(hedge_rule=HedgeRule.ANY_AFTER_P95))]
+    out: dict[str, Any] = {"seeds": seeds, "duration_s": duration_s, "service_s": service_s, "load": load}
+    for n in (4, 8):
+        rate = load * n / service_s
+        ratios: dict[str, list[float]] = {}
+        for seed in range(seeds):
+            def one(policy: Policy, hedging: bool, pcfg: PolicyConfig, slow: bool) -> dict[str, Any]:
+                faults = [ServingFault("straggler", n - 1, 0.0, None, 10.0, 0)] if slow else []
+                loop = VirtualTimeLoop(seed)
+                try:
+                    return loop.run_until_complete(ServeSim(SimServeConfig(
+                        replicas=n, rate_per_s=rate, duration_s=duration_s, service_s=service_s, slots=1, policy=policy,
+                        hedging=hedging, seed=seed, policy_config=pcfg), faults).run())
+                finally:
+                    loop.close()
+
+            healthy = one(Policy.P2C_LATENCY, False, PolicyConfig(), False)["latency_s"]["p99"]
+            for name, policy, hedging, pcfg in cases:
+                r = one(policy, hedging, pcfg, True)
+                ratios.setdefault(name, []).append(r["latency_s"]["p99"] / healthy)
+                ratios.setdefault(name + " hedges %", []).append(100 * r["hedges"] / max(r["requests"], 1))
+            for label, factors in (("floor healthy", [1.0] * n), ("floor slow", [1.0] * (n - 1) + [10.0])):
+                rng, free, lat = random.Random(seed), [0.0] * n, []
+                for t in poisson_arrivals_s(rate, duration_s, seed):
+                    base = service_s * rng.uniform(0.8, 1.2)
+                    k = min(range(n), key=lambda j: max(free[j], t) + base * factors[j])
+                    free[k] = max(free[k], t) + base * factors[k]
+                    lat.append(free[k] - t)
+                ratios.setdefault(label, []).append(quantile(lat, 0.99) or 0.0)
+            ratios.setdefault("floor", []).append(ratios["floor slow"][-1] / ratios["floor healthy"][-1])
+        out[f"{n}_replicas"] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+                                for k, v in ratios.items()}
+        print(f"[sim tail] {n} replicas: " + ", ".join(f"{k} {v['median']:.2f}" for k, v in out[f"{n}_replicas"].items()),
+              flush=True)
     return out
 
 
@@ -183,54 +368,139 @@ async def _sequential_s(url: str, token: bytes | None, n: int) -> list[float]:
     return out
 
 
+async def _poisson_lean_s(url: str, token: bytes | None, rate: float, duration_s: float, seed: int = 7
+                          ) -> tuple[list[float], int]:
+    """Open-loop Poisson arrivals of 1-token completions over the router's own keep-alive client (one pooled
+    connection per request in flight): a generator that costs ~0.1 ms of CPU per request, so that at 200 req/s
+    on a 2-core box the replica and the router decide the latencies, not the client (the httpx loadtest
+    client's own CPU saturated the box: direct p50 30 to 200 ms). Returns (latencies, failed)."""
+    import random
+
+    from phalanx.serve.replica_client import ReplicaConnections
+
+    c = ReplicaConnections(url, token)
+    rng = random.Random(seed)
+    lat: list[float] = []
+    failed = 0
+
+    async def one(i: int) -> None:
+        nonlocal failed
+        t0 = time.perf_counter()
+        try:
+            r = await c.post("/v1/completions", json.dumps({"model": "phalanx-charlm", "prompt": "The ", "max_tokens": 1,
+                                                            "seed": i}).encode(), 30)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+            failed += 1
+            return
+        if r.status == 200:
+            lat.append(time.perf_counter() - t0)
+        else:
+            failed += 1
+
+    tasks: set[asyncio.Task[None]] = set()
+    next_s = time.monotonic()
+    end_s, i = next_s + duration_s, 0
+    while next_s < end_s:  # bounded by the duration
+        await asyncio.sleep(max(0.0, next_s - time.monotonic()))
+        t = asyncio.create_task(one(i))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+        i += 1
+        next_s += rng.expovariate(rate)
+    if tasks:
+        await asyncio.wait(tasks, timeout=60)
+    c.close()
+    return lat, failed
+
+
 def router_overhead(token_file: Path, duration_s: float, rate: float = 200.0) -> dict[str, Any]:
-    reps = spawn_replicas(1, MODEL_ARGS + ["--batch-size-max", "32"], token_file)
-    router = spawn_router({"r0": reps[0].url}, token_file)
+    """The replica called directly and through the router, one request at a time and at ``rate`` req/s (open
+    loop, lean client), first with both processes on asyncio + h11, then on uvloop + httptools (what
+    `phalanx serve` runs when they are installed): the same box state for both."""
     token = read_token_file(token_file)
     out: dict[str, Any] = {"rate_per_s": rate}
-    try:
-        for name, url, tok in (("sequential direct", reps[0].url, token), ("sequential router", router.url, None),
-                               ("sequential direct again", reps[0].url, token)):
-            lat = asyncio.run(_sequential_s(url, tok, 400))
-            out[name] = {"ok": len(lat), "p50_s": quantile(lat, 0.5), "p99_s": quantile(lat, 0.99)}
-            print(f"[overhead] {name}: {out[name]}", flush=True)
-        for name, url, tok in (("direct", reps[0].url, token), ("router", router.url, None),
-                               ("direct again", reps[0].url, token)):
-            cpu0 = _cpu_s(router.proc.pid)
-            res = asyncio.run(run_load(LoadSpec(url=url, duration_s=duration_s, rate_per_s=rate, max_tokens=1,
-                                                token=tok, seed=7)))
-            out[name] = {"ok": res.ok, "errors": res.errors, "p50_s": quantile(res.latencies_s, 0.5),
-                         "p99_s": quantile(res.latencies_s, 0.99)}
-            if name == "router":
-                out["router_cpu_ms_per_request"] = 1000 * (_cpu_s(router.proc.pid) - cpu0) / max(res.ok, 1)
-            print(f"[overhead] {name}: {out[name]}", flush=True)
-    finally:
-        router.stop()
-        stop_replicas(reps)
-    direct_p50 = min(out["direct"]["p50_s"], out["direct again"]["p50_s"])
-    direct_p99 = min(out["direct"]["p99_s"], out["direct again"]["p99_s"])
-    out["added_p50_ms"] = 1000 * (out["router"]["p50_s"] - direct_p50)
-    out["added_p99_ms"] = 1000 * (out["router"]["p99_s"] - direct_p99)
-    seq = [out["sequential direct"], out["sequential direct again"]]
-    out["sequential_added_p50_ms"] = 1000 * (out["sequential router"]["p50_s"] - min(d["p50_s"] for d in seq))
-    out["sequential_added_p99_ms"] = 1000 * (out["sequential router"]["p99_s"] - min(d["p99_s"] for d in seq))
+    for kind in ("asyncio", "auto"):
+        reps = spawn_replicas(1, MODEL_ARGS + ["--batch-size-max", "32", "--event-loop", kind], token_file)
+        router = spawn_router({"r0": reps[0].url}, token_file, extra=["--event-loop", kind])
+        res: dict[str, Any] = {"event_loop": kind}
+        try:
+            for name, url, tok in (("sequential direct", reps[0].url, token), ("sequential router", router.url, None),
+                                   ("sequential direct again", reps[0].url, token)):
+                lat = asyncio.run(_sequential_s(url, tok, 400))
+                res[name] = {"ok": len(lat), "p50_s": quantile(lat, 0.5), "p99_s": quantile(lat, 0.99)}
+                print(f"[overhead {kind}] {name}: {res[name]}", flush=True)
+            for name, url, tok in (("direct", reps[0].url, token), ("router", router.url, None),
+                                   ("direct again", reps[0].url, token)):
+                cpu0 = _cpu_s(router.proc.pid)
+                lat, failed = asyncio.run(_poisson_lean_s(url, tok, rate, duration_s))
+                res[name] = {"ok": len(lat), "errors": failed, "p50_s": quantile(lat, 0.5), "p99_s": quantile(lat, 0.99)}
+                if name == "router":
+                    res["router_cpu_ms_per_request"] = 1000 * (_cpu_s(router.proc.pid) - cpu0) / max(len(lat), 1)
+                print(f"[overhead {kind}] {name}: {res[name]}", flush=True)
+        finally:
+            router.stop()
+            stop_replicas(reps)
+        for prefix, key in (("", ""), ("sequential ", "sequential_")):
+            direct = [res[prefix + "direct"], res[prefix + "direct again"]]
+            res[key + "added_p50_ms"] = 1000 * (res[prefix + "router"]["p50_s"] - min(d["p50_s"] for d in direct))
+            res[key + "added_p99_ms"] = 1000 * (res[prefix + "router"]["p99_s"] - min(d["p99_s"] for d in direct))
+        out[kind] = res
+    out.update({k: v for k, v in out["auto"].items() if k != "event_loop"})  # the headline: what `phalanx serve` runs
     return out
 
 
+async def _closed_loop_tokens_per_s(url: str, token: bytes, streams: int, duration_s: float, max_tokens: int,
+                                    stream: bool) -> dict[str, Any]:
+    """``streams`` clients, each sending its next completion as soon as the last one ends, over the router's
+    lean keep-alive client: the httpx loadtest client's own CPU (its pool checks every connection on every
+    request) capped 32 streams at ~2,400 tokens/s on 2 cores where this one reads ~5,000-7,000."""
+    from phalanx.serve.replica_client import ReplicaConnections
+
+    c = ReplicaConnections(url, token)
+    done, failed = 0, 0
+    end_s = time.monotonic() + duration_s
+
+    async def client(k: int) -> None:
+        nonlocal done, failed
+        for i in range(1_000_000):  # bounded by the duration
+            if time.monotonic() >= end_s:
+                return
+            body = {"model": "phalanx-charlm", "prompt": "The ", "max_tokens": max_tokens, "temperature": 0.8,
+                    "seed": k * 1_000_003 + i, "stream": stream}
+            try:
+                r = await c.post("/v1/completions", json.dumps(body).encode(), 120)
+            except (OSError, asyncio.IncompleteReadError, TimeoutError):
+                failed += 1
+                continue
+            if r.status == 200 and (not stream or r.body.endswith(b"data: [DONE]\n\n")):
+                done += 1
+            else:
+                failed += 1
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(client(k) for k in range(streams)))
+    wall_s = time.monotonic() - t0
+    c.close()
+    return {"ok": done, "errors": failed, "tokens_per_s": done * max_tokens / wall_s}
+
+
 def batching(token_file: Path, duration_s: float, max_tokens: int = 48) -> dict[str, Any]:
+    """tokens/s of one replica with 32 concurrent generations against 1, whole answers (as measured since session
+    11) and SSE streams; the replica's torch threads as `phalanx serve` sets them (--threads 1)."""
     reps = spawn_replicas(1, MODEL_ARGS + ["--batch-size-max", "32", "--queue-depth-max", "64"], token_file)
     token = read_token_file(token_file)
     out: dict[str, Any] = {"max_tokens": max_tokens}
     try:
-        for streams in (1, 32):
-            res = asyncio.run(run_load(LoadSpec(url=reps[0].url, duration_s=duration_s, concurrency=streams,
-                                                max_tokens=max_tokens, token=token, timeout_s=120)))
-            out[f"{streams}_streams"] = {"ok": res.ok, "errors": res.errors,
-                                         "tokens_per_s": res.ok * max_tokens / res.wall_s}
-            print(f"[batching] {streams} streams: {out[f'{streams}_streams']}", flush=True)
+        for stream in (False, True):
+            for streams in (1, 32):
+                key = f"{streams}_streams" + ("_sse" if stream else "")
+                out[key] = asyncio.run(_closed_loop_tokens_per_s(reps[0].url, token, streams, duration_s, max_tokens,
+                                                                 stream))
+                print(f"[batching] {key}: {out[key]}", flush=True)
     finally:
         stop_replicas(reps)
     out["ratio"] = out["32_streams"]["tokens_per_s"] / out["1_streams"]["tokens_per_s"]
+    out["ratio_sse"] = out["32_streams_sse"]["tokens_per_s"] / out["1_streams_sse"]["tokens_per_s"]
     return out
 
 
@@ -319,24 +589,66 @@ def _tradeoff_row(responses: list[Any], order: list[str], reports: list[Any], wa
             "rollout_s": [r[1].get("took_s") for r in reports]}
 
 
+def sim_tail_report(t: dict[str, Any]) -> list[str]:
+    names = [k for k in t["4_replicas"] if not k.startswith("floor") and not k.endswith("hedges %")]
+    lines = [f"Simulator, one replica 10x slow, {100 * t['load']:.0f} % of healthy capacity, 1 request at a time, "
+             f"{1000 * t['service_s']:.0f} ms a request, {t['duration_s']:g} virtual s, p99 / healthy p99: median "
+             f"(min-max) over {t['seeds']} seeds", "", "| case | 4 replicas | 8 replicas |", "|---|---|---|"]
+    for k in names + ["floor"]:
+        cells = []
+        for n in (4, 8):
+            v = t[f"{n}_replicas"][k]
+            h = t[f"{n}_replicas"].get(k + " hedges %")
+            cells.append(f"{v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})"
+                         + (f", {h['median']:.1f} % hedges" if h and h["max"] > 0 else ""))
+        lines.append(f"| {k if k != 'floor' else 'floor: knows every service time'} | {cells[0]} | {cells[1]} |")
+    return lines + [""]
+
+
+def slow_report(s: dict[str, Any]) -> list[str]:
+    res, sims = s["results"], s.get("simulated", {})
+    base = res["healthy"]["latency_s"]["p99"]
+    cal = s["calibration"]
+    lines = [f"Slow replica: 4 replicas x 1 request at a time, one {cal['slow_factor']:.1f}x slow, Poisson "
+             f"{s['rate_per_s']:.1f} req/s (70 % of capacity; one request alone {1000 * s['service_time_s']:.0f} ms), "
+             f"{s['duration_s']:g} s measured after {s['warmup_s']:g} s of warm-up; simulator calibrated with "
+             f"service x {cal.get('load_scale', 1.0):.2f} (fitted on the healthy p50)", "",
+             "| case | n | failed | p50 s | p99 s | p99.9 s | p99 / healthy | hedges (extra) | sim p50 s | sim p99 s "
+             "| p50 sim/real | p99 sim/real | sim p99 uncalibrated | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for n, r in res.items():
+        lat = r["latency_s"]
+        row = (f"| {n} | {r['ok']} | {r['errors']} | {lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99.9']:.3f} | "
+               f"{lat['p99'] / base:.2f}x | {r.get('hedges', 0):.0f} ({100 * r.get('hedges', 0) / max(r['ok'], 1):.1f} %) |")
+        if n in sims:
+            sl = sims[n]["latency_s"]
+            row += (f" {sl['p50']:.3f} | {sl['p99']:.3f} | {sl['p50'] / lat['p50']:.2f} | {sl['p99'] / lat['p99']:.2f} | "
+                    f"{sims[n]['uncalibrated']['latency_s']['p99']:.3f} |")
+        lines.append(row + f" {r.get('loadavg', 0):.1f} |")
+    if "oracle" in s:
+        o = s["oracle"]
+        lines += ["", f"Floor (a dispatcher that knows every service time, same schedule and service model): healthy "
+                      f"p99 {o['healthy']['p99']:.3f} s, one slow {o['one 10x slow']['p99']:.3f} s = "
+                      f"{o['one 10x slow']['p99'] / o['healthy']['p99']:.2f}x healthy"]
+    if FAILOVER_CASE in res and FAILOVER_CASE in sims:
+        r, sm = res[FAILOVER_CASE], sims[FAILOVER_CASE]
+        k = r["kill_at_s"]
+
+        def after(d: dict[str, Any]) -> list[float]:
+            return [x for x, t in zip(d["latencies_s"], d["starts_s"]) if k <= t < k + 1.0]
+
+        ra, sa = after(r), after(sm)
+        lines += ["", f"Failover, the second after the kill: real p99 {quantile(ra, 0.99) or 0:.3f} s (n {len(ra)}), "
+                      f"sim p99 {quantile(sa, 0.99) or 0:.3f} s (n {len(sa)})"]
+    return lines
+
+
 def report(all_: dict[str, Any]) -> str:
     lines = []
+    if "sim_tail" in all_:
+        lines += sim_tail_report(all_["sim_tail"])
     if "slow_replica" in all_:
-        s = all_["slow_replica"]
-        base = s["results"]["healthy"]["latency_s"]["p99"]
-        lines += [f"Slow replica: 4 replicas x 1 request at a time, one 10x slow, Poisson {s['rate_per_s']:.1f} req/s "
-                  f"(70 % of capacity; one request {1000 * s['service_time_s']:.0f} ms; measured after "
-                  f"{s['warmup_s']:g} s of warm-up)", "",
-                  "| policy | ok | failed | p50 s | p99 s | p99.9 s | p99 / healthy | hedges (extra) |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [_row(n, r, base) for n, r in s["results"].items()]
-        if "simulated" in s:
-            lines += ["", "Simulator against the real run (same service time, rate and fault; target within 15 %):", "",
-                      "| policy | real p50 s | sim p50 s | real p99 s | sim p99 s | p99 sim / real |", "|---|---|---|---|---|---|"]
-            for n, r in s["results"].items():
-                sim = s["simulated"][n]["latency_s"]
-                lines.append(f"| {n} | {r['latency_s']['p50']:.3f} | {sim['p50']:.3f} | {r['latency_s']['p99']:.3f} | "
-                             f"{sim['p99']:.3f} | {sim['p99'] / r['latency_s']['p99']:.2f} |")
+        lines += slow_report(all_["slow_replica"])
     if "failover" in all_:
         f = all_["failover"]
         ratio = (f["p99_second_after_kill_s"] or 0) / (f["p99_before_s"] or 1)
@@ -345,7 +657,7 @@ def report(all_: dict[str, Any]) -> str:
                       f"({ratio:.2f}x), failed {f['failed']} of {f['ok'] + f['failed']}"]
     if "router_overhead" in all_:
         o = all_["router_overhead"]
-        lines += ["", f"Router overhead at {o['rate_per_s']:.0f} req/s: +{o['added_p50_ms']:.2f} ms p50, "
+        lines += ["", f"Router overhead at {o['rate_per_s']:.0f} req/s (open loop, lean client): +{o['added_p50_ms']:.2f} ms p50, "
                       f"+{o['added_p99_ms']:.2f} ms p99 (direct p50 {1000 * o['direct']['p50_s']:.2f} ms, "
                       f"routed p50 {1000 * o['router']['p50_s']:.2f} ms); the router spends "
                       f"{o['router_cpu_ms_per_request']:.2f} ms of CPU per request",
@@ -353,6 +665,13 @@ def report(all_: dict[str, Any]) -> str:
                   f"+{o['sequential_added_p50_ms']:.2f} ms p50, +{o['sequential_added_p99_ms']:.2f} ms p99 (direct p50 "
                   f"{1000 * o['sequential direct']['p50_s']:.2f} ms, routed "
                   f"{1000 * o['sequential router']['p50_s']:.2f} ms)"]
+        if "asyncio" in o:
+            a = o["asyncio"]
+            lines += [f"... the same on asyncio + h11 (router and replica; the figures above run on "
+                      f"{'uvloop + httptools' if o['auto']['event_loop'] == 'auto' else 'asyncio'}): at {o['rate_per_s']:.0f} "
+                      f"req/s +{a['added_p50_ms']:.2f} ms p50, +{a['added_p99_ms']:.2f} ms p99 (direct p50 "
+                      f"{1000 * a['direct']['p50_s']:.2f} ms), router CPU {a['router_cpu_ms_per_request']:.2f} ms/request; "
+                      f"one at a time +{a['sequential_added_p50_ms']:.2f} ms p50, +{a['sequential_added_p99_ms']:.2f} ms p99"]
     if "rollout" in all_:
         ro = all_["rollout"]
         lines += ["", f"Rollout: 4 replicas, two rollouts (step 1 -> 2 -> 3) during {ro['duration_s']:g} s of Poisson "
@@ -368,6 +687,9 @@ def report(all_: dict[str, Any]) -> str:
         b = all_["batching"]
         lines += ["", f"Continuous batching: {b['1_streams']['tokens_per_s']:.0f} tokens/s with 1 stream, "
                       f"{b['32_streams']['tokens_per_s']:.0f} with 32 ({b['ratio']:.1f}x)"]
+        if "ratio_sse" in b:
+            lines += [f"... streamed (SSE, a chunk per token): {b['1_streams_sse']['tokens_per_s']:.0f} tokens/s with 1, "
+                      f"{b['32_streams_sse']['tokens_per_s']:.0f} with 32 ({b['ratio_sse']:.1f}x)"]
     return "\n".join(lines)
 
 
@@ -388,6 +710,8 @@ def main() -> int:
 def _run_sections(args: argparse.Namespace, token_file: Path) -> int:
     only = set(args.only.split(","))
     all_: dict[str, Any] = {}
+    if "simtail" in only:
+        all_["sim_tail"] = sim_tail()
     if "slow" in only:
         all_["slow_replica"] = slow_replica(token_file, args.duration_s, args.load, args.max_tokens)
     if "failover" in only:
