@@ -78,7 +78,7 @@ def test_nothing_is_unpickled_or_executed_from_data():
 
 # Protocol code: decisions and drivers that the simulator runs in virtual time.
 PROTOCOL = [*sorted((SRC / "membership").glob("*.py")),
-            *(SRC / "train" / f for f in ("worker_agent.py", "healing.py", "step_engine.py", "step_buffer.py",
+            *(SRC / "train" / f for f in ("worker_agent.py", "assignment.py", "healing.py", "step_engine.py", "step_buffer.py",
                                           "sharding.py")),
             SRC / "sim" / "worker.py"]
 FORBIDDEN = {"time", "threading", "socket", "random", "subprocess", "os.path", "concurrent.futures", "queue",

@@ -72,11 +72,14 @@ class QuorumCancel(_Msg):
 
 
 class Progress(_Msg):
-    """A step-progress mark for the progress watch (e.g. phase='allreduce')."""
+    """A step-progress mark for the progress watch (e.g. phase='allreduce'), sent only when the
+    phase lasts long enough to need one (in place of a heartbeat); ``age_s`` says how long ago the
+    worker entered it, so the watch's clock starts when the phase did, not when the mark arrived."""
 
     step: Count
     quorum_id: Count
     phase: Name
+    age_s: Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)] = 0.0
 
 
 class AllreduceDone(_Msg):
@@ -210,10 +213,22 @@ class HealAck(_Msg):
     ok: bool
 
 
+# What a coordinator may bundle into one frame for one worker (same order as queued)
+Bundled = Union[QuorumAssigned, QuorumBroken, StepDecision, InjectFault, Shutdown]
+BUNDLE_MAX = 64
+
+
+class Bundle(_Msg):
+    """Several coordinator -> worker messages queued for the same worker at once, in one frame:
+    typically a commit decision and the next step's grant (one write, one wakeup)."""
+
+    items: Annotated[list[Bundled], msgspec.Meta(min_length=1, max_length=BUNDLE_MAX)]
+
+
 Message = Union[
     ClientHello, ServerHello, Refused,
     Hello, Heartbeat, QuorumRequest, QuorumCancel, Progress, AllreduceDone, HealDone, CheckpointWritten,
     CheckpointUnusable, Goodbye,
-    Welcome, QuorumAssigned, QuorumBroken, StepDecision, InjectFault, Shutdown,
+    Welcome, QuorumAssigned, QuorumBroken, StepDecision, InjectFault, Shutdown, Bundle,
     HealRequest, HealOffer, HealChunk, HealAck,
 ]

@@ -18,7 +18,7 @@ from typing import Any
 from phalanx.core.errors import TransportError
 from phalanx.core.host import Host
 from phalanx.core.messages import (
-    InjectFault, QuorumAssigned, QuorumBroken, Shutdown, StepDecision,
+    BUNDLE_MAX, Bundle, InjectFault, QuorumAssigned, QuorumBroken, Shutdown, StepDecision,
 )
 from phalanx.core.modes import ConsistencyMode
 from phalanx.membership import failure_detector as fd
@@ -143,26 +143,35 @@ class Coordinator(WorkerMessages):
             s.outbox.put_nowait(message)
 
     async def _sender(self, s: WorkerSession) -> None:
+        """Sends what is queued for one worker, in order; messages queued together (a decision
+        and the next grant) go out as one Bundle frame."""
+        outbox, pending = s.outbox, deque[Any]()
         while s.connected:
-            message = await s.outbox.get()
+            if not pending:
+                pending.append(await outbox.get())
+            while not outbox.empty():
+                pending.append(outbox.get_nowait())
             try:
-                await s.conn.send(message)
+                await s.conn.send(_next_frame(pending))
             except TransportError:
                 return
 
     # ---- decisions ----
     async def _ticker(self) -> None:
+        ticks = 0
         while not self._stopped:
             await self.host.sleep(self.cfg.tick_s)
             if self._stopped:
                 return
-            self.sessions.check_counts()
+            ticks += 1
             self._form_blocked = False
             self._evaluate(from_tick=True)
             self._release_drainers()
-            q = self.quorum
-            self.sessions.prune(self.host.now(), self.cfg.session_keep_s,
-                                q.member_set if q is not None and not q.decided else frozenset())
+            if ticks % HOUSEKEEPING_TICKS == 0:  # O(sessions) each: not on every tick at 1,000s of workers
+                self.sessions.check_counts()
+                q = self.quorum
+                self.sessions.prune(self.host.now(), self.cfg.session_keep_s,
+                                    q.member_set if q is not None and not q.decided else frozenset())
 
     def _evaluate(self, from_tick: bool = False) -> None:
         """Decide the current step's commit and the next quorum.
@@ -205,12 +214,14 @@ class Coordinator(WorkerMessages):
         # Only sessions that could be suspects go to the pure decision (cheap pre-filter at scale).
         stale_before = now - self.cfg.detector.heartbeat_timeout_s
         alive = {s.worker_id: fd.Liveness(s.connected, s.last_heartbeat_s) for s in self.sessions.unordered()
-                 if s.healthy and (s.last_heartbeat_s < stale_before or not s.connected)}
+                 if (s.last_heartbeat_s < stale_before or not s.connected) and s.healthy}
         for sus in fd.heartbeat_suspects(now, alive, self.cfg.detector):
             cause = SuspicionCause.CONNECTION_LOST if not alive[sus.worker_id].connected else SuspicionCause.NO_HEARTBEAT
             self._suspect(self.sessions[sus.worker_id], cause, sus.reason)
         q = self.quorum
-        if q is not None and not q.decided:
+        # every member's phase began at or after the formation (_form sets them all), so nobody can
+        # have fallen behind for progress_timeout_s before that long has passed since it
+        if q is not None and not q.decided and now - q.formed_at_s > self.cfg.detector.progress_timeout_s:
             phases = {w: self.sessions[w].phase for w in q.members if self.sessions[w].healthy}
             for sus in fd.progress_suspects(now, phases, self.cfg.detector):
                 self._suspect(self.sessions[sus.worker_id], SuspicionCause.NO_PROGRESS, sus.reason)
@@ -375,3 +386,19 @@ class Coordinator(WorkerMessages):
     def note_checkpoint(self, path: str, step: int) -> None:
         if step > self.checkpoint[1]:
             self.checkpoint = (path, step)
+
+
+HOUSEKEEPING_TICKS = 50  # the session-count self-check and the pruning of departed sessions
+_BUNDLED = (QuorumAssigned, QuorumBroken, StepDecision, InjectFault, Shutdown)
+
+
+def _next_frame(pending: deque[Any]) -> Any:
+    """The next frame from the front of ``pending``: one message alone, or the longest run (up to
+    BUNDLE_MAX) of messages that may be bundled, as one Bundle."""
+    first = pending.popleft()
+    if not pending or not isinstance(first, _BUNDLED) or not isinstance(pending[0], _BUNDLED):
+        return first
+    items = [first]
+    while pending and len(items) < BUNDLE_MAX and isinstance(pending[0], _BUNDLED):
+        items.append(pending.popleft())
+    return Bundle(items=items)

@@ -190,7 +190,9 @@ class WorkerMessages:
         # phases only move forward: the mark is sent without waiting, and may trail the report
         if q and m.quorum_id == q.quorum_id and m.step == q.step and s.worker_id in q.member_set \
                 and s.phase[0] < fd.Phase.ALLREDUCE:
-            s.phase = (fd.Phase.ALLREDUCE, self.host.now())
+            # backdated to when the worker entered the phase (the mark is sent only once it lasts),
+            # never before the phase it leaves began
+            s.phase = (fd.Phase.ALLREDUCE, max(s.phase[1], self.host.now() - m.age_s))
         return False
 
     def _on_allreduce_done(self, s: WorkerSession, m: AllreduceDone) -> bool:

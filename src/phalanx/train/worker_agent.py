@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from phalanx.collectives.process_group import ProcessGroup, ProcessGroupFactory
@@ -19,10 +18,10 @@ from phalanx.core.errors import (
 )
 from phalanx.core.host import Connection, Host
 from phalanx.core.messages import (
-    AllreduceDone, CheckpointUnusable, CheckpointWritten, Goodbye, Heartbeat, Hello, InjectFault, Progress, QuorumAssigned, QuorumBroken as QuorumBrokenMsg,
+    AllreduceDone, Bundle, CheckpointUnusable, CheckpointWritten, Goodbye, Heartbeat, Hello, InjectFault, Progress, QuorumAssigned, QuorumBroken as QuorumBrokenMsg,
     QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision, Welcome,
 )
-from phalanx.train import sharding
+from phalanx.train.assignment import Assignment, WorkerConfig
 from phalanx.train.exchange import Exchange
 from phalanx.train.healing import Healing, HealedState
 
@@ -30,46 +29,6 @@ __all__ = ["Assignment", "HealedState", "StateProvider", "WorkerAgent", "WorkerC
 
 # (state header, buffers) of the live training state, captured on demand for a heal
 StateProvider = Callable[[], tuple[bytes, list[memoryview]]]
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    worker_id: str
-    coordinator_address: str
-    heal_bind: str = "127.0.0.1:0"
-    connect_timeout_s: float = 10.0
-    quorum_timeout_s: float = 300.0
-    decision_timeout_s: float = 60.0
-    heal_timeout_s: float = 60.0
-    reconnect_timeout_s: float = 30.0
-    heal_chunk_bytes: int = 16 * 1024 * 1024
-    pid: int = 0  # reported in Hello; 0: this process's pid (the simulator passes a virtual one)
-
-
-@dataclass(frozen=True)
-class Assignment:
-    step: int
-    quorum_id: int
-    members: tuple[str, ...]
-    rank: int
-    heal_from: str
-    heal_address: str
-    heal_targets: tuple[str, ...]
-    restore_checkpoint: str
-    write_checkpoint: bool
-    shard_weights: tuple[float, ...] = ()  # available mode: uneven shares by speed (() = even)
-    local_step: int = -1  # local-sgd: the step every member continues from after this merge
-    catch_up: bool = False  # the job is over: restore or heal to the final state, then stop
-
-    @property
-    def world_size(self) -> int:
-        return len(self.members)
-
-    def shard_bounds(self, global_batch_size: int) -> tuple[int, int]:
-        """(offset, count) of this member's slice of the global batch."""
-        if self.shard_weights:
-            return sharding.weighted_shard_bounds(global_batch_size, list(self.shard_weights), self.rank)
-        return sharding.shard_bounds(global_batch_size, self.rank, self.world_size)
 
 
 class WorkerAgent(Healing):
@@ -99,6 +58,8 @@ class WorkerAgent(Healing):
         self._snapshot: tuple[int, bytes, list[memoryview], str] | None = None
         self._lost = asyncio.Event()
         self._last_sent_s = float("-inf")  # any message is a sign of life: heartbeats fill the gaps
+        self._phase_mark: tuple[int, int, str, float] | None = None  # (step, quorum id, phase, entered at)
+        self._decision_due_s: dict[tuple[int, int], float] = {}  # (step, quorum id) -> give up waiting then
         self._racing: dict[asyncio.Future[Any], int] = {}  # work that a broken quorum interrupts -> its id
         self._interrupted: dict[asyncio.Future[Any], Exception] = {}
         self.heal_address = ""
@@ -163,19 +124,36 @@ class WorkerAgent(Healing):
         seq = 0
         while not self.shutdown_reason:
             interval_s = self.welcome.heartbeat_interval_s if self.welcome else 0.1
-            if self.connected and self.host.now() - self._last_sent_s >= interval_s / 2:
+            now = self.host.now()
+            self._expire_decisions(now)
+            if self.connected and now - self._last_sent_s >= interval_s / 2:
                 seq += 1
+                mark, self._phase_mark = self._phase_mark, None
+                # a phase still under way (a long all-reduce): its progress mark is the sign of life
+                message = Heartbeat(seq=seq, step=self.last_committed_step) if mark is None else \
+                    Progress(step=mark[0], quorum_id=mark[1], phase=mark[2], age_s=max(0.0, now - mark[3]))
                 try:
-                    await self._send(Heartbeat(seq=seq, step=self.last_committed_step))
+                    await self._send(message)
                 except CoordinatorLost:
                     pass
             await self.host.sleep(interval_s)
+
+    def _expire_decisions(self, now: float) -> None:
+        for (step, quorum_id), due_s in list(self._decision_due_s.items()):
+            fut = self._decisions.get((step, quorum_id))
+            if now >= due_s and fut is not None and not fut.done():
+                fut.set_exception(PeerTimeout(f"no commit decision for step {step} within "
+                                              f"{self.cfg.decision_timeout_s:.0f} s"))
 
     async def _reader(self, conn: Connection) -> None:
         try:
             while True:
                 message, _ = await conn.recv()
-                self._dispatch(message)
+                if isinstance(message, Bundle):  # a decision and the next grant, say: in order
+                    for m in message.items:
+                        self._dispatch(m)
+                else:
+                    self._dispatch(message)
         except TransportError:
             pass
         finally:
@@ -300,8 +278,9 @@ class WorkerAgent(Healing):
         self._decisions[key] = asyncio.get_running_loop().create_future()
         t0 = self.host.now()
         ok, error = True, ""
-        # the buckets are already on the wire: this mark (a send that only queues) delays none
-        await self._send_quiet(Progress(step=a.step, quorum_id=a.quorum_id, phase="allreduce"))
+        # the progress watch's mark goes out only if this phase outlasts half a heartbeat interval
+        # (in place of the heartbeat, see _heartbeats): a fault-free step sends none
+        self._phase_mark = (a.step, a.quorum_id, "allreduce", t0)
         try:
             if tail is not None:
                 ex.launch(tail, 0.0)
@@ -311,19 +290,20 @@ class WorkerAgent(Healing):
             ok, error = False, str(e)
         except QuorumBroken as e:
             ok, error = False, str(e)
+        self._phase_mark = None  # the report below moves the phase on
         covered_once, loss = verify() if ok else (False, 0.0)
         conn = self._conn
         await self._send(AllreduceDone(step=a.step, quorum_id=a.quorum_id, ok=ok, error=error,
                                        loss=loss, samples_covered_once=covered_once,
                                        compute_s=compute_s, allreduce_s=self.host.now() - t0,
                                        next_step=next_step if ok else -1))
+        # its deadline is watched by the heartbeat loop (no timer per step: the limit is a minute)
+        self._decision_due_s[key] = self.host.now() + self.cfg.decision_timeout_s
         try:
-            async with asyncio.timeout(self.cfg.decision_timeout_s):
-                d = await self._decisions[key]
-        except asyncio.TimeoutError as e:
-            raise PeerTimeout(f"no commit decision for step {a.step} within {self.cfg.decision_timeout_s:.0f} s") from e
+            d = await self._decisions[key]
         finally:
             self._decisions.pop(key, None)
+            self._decision_due_s.pop(key, None)
         if d.commit and ok and next_step >= 0 and conn is not None:
             self._asked = (next_step, conn)
         return d
