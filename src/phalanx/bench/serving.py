@@ -84,26 +84,19 @@ def _metric(url: str, name: str) -> float:
     return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name))
 
 
-def _base_slowdown(token_file: Path, max_tokens: int, target_s: float) -> tuple[float, float]:
-    """The slowdown that makes one request take ``target_s`` (mostly waiting, like the anchor's replicas:
-    4 of them then run side by side on 2 cores); returns (factor, CPU time of one request)."""
-    probe = spawn_replicas(1, MODEL_ARGS + ["--batch-size-max", "1"], token_file)
-    try:
-        cpu_s = _service_time_s(probe[0].url, read_token_file(token_file), max_tokens)
-    finally:
-        stop_replicas(probe)
-    return max(1.0, target_s / cpu_s), cpu_s
-
-
 def slow_replica(token_file: Path, duration_s: float, load: float, max_tokens: int, warmup_s: float = 3.0,
                  target_service_s: float = 0.25, failover_load: float = 0.5) -> dict[str, Any]:
     """Every policy on the same 5 replica processes (r3 10x slow, r4 its healthy stand-in), one router per case,
     the same seeded Poisson schedule per case after a warm-up; then a SIGKILL of r1 under a healthy set. The
     simulator replays each case on the same schedule with a service model calibrated from this run (below)."""
     token = read_token_file(token_file)
-    base, cpu_s = _base_slowdown(token_file, max_tokens, target_service_s)
-    reps = spawn_replicas(5, MODEL_ARGS + ["--batch-size-max", "1", "--queue-depth-max", "10000"], token_file,
-                          {i: ["--slowdown-factor", f"{base * (10 if i == 3 else 1):.3f}"] for i in range(5)})
+    # each decode step paced to a fixed time (the replicas mostly wait, as the anchor's did, so 5 of them and the
+    # router share 2 cores); r3's steps 10x that. (Scaling each step's own wall time instead, as before, multiplied
+    # every scheduling delay of a busy box by the factor: service times drifted 2.5x between calibration and run.)
+    pace_s = target_service_s / max_tokens
+    reps = spawn_replicas(5, MODEL_ARGS + ["--batch-size-max", "1", "--queue-depth-max", "10000",
+                                           "--min-step-s", f"{pace_s:.4f}"], token_file,
+                          {3: ["--slowdown-factor", "10"]})
     results: dict[str, Any] = {}
     calib: dict[str, Any] = {}
     try:
@@ -116,8 +109,8 @@ def slow_replica(token_file: Path, duration_s: float, load: float, max_tokens: i
         slow = _service_times_s(urls["r3"], token, max_tokens, 3)
         calib = {"service_samples_s": samples, "slow_factor": sorted(slow)[1] / sorted(samples)[len(samples) // 2]}
         rate = load * 4 / service_s
-        print(f"[slow replica] one request: {cpu_s * 1000:.1f} ms CPU, {service_s * 1000:.1f} ms served (slowdown "
-              f"{base:.2f}; the slow one {calib['slow_factor']:.1f}x) -> load {rate:.1f} req/s", flush=True)
+        print(f"[slow replica] one request: {service_s * 1000:.1f} ms served ({pace_s * 1000:.1f} ms a step; the slow "
+              f"one {calib['slow_factor']:.1f}x) -> load {rate:.1f} req/s", flush=True)
         for name, policy, hedging, extra in SLOW_CASES:
             chosen = {k: v for k, v in urls.items() if k != ("r3" if name == "healthy" else "r4")}
             results[name] = _slow_case(chosen, token_file, policy, hedging, extra, rate, duration_s, warmup_s,
@@ -129,7 +122,7 @@ def slow_replica(token_file: Path, duration_s: float, load: float, max_tokens: i
                                             duration_s, warmup_s, max_tokens, kill=reps[1])
     finally:
         stop_replicas(reps)
-    out = {"service_time_s": service_s, "cpu_time_s": cpu_s, "rate_per_s": rate, "warmup_s": warmup_s,
+    out = {"service_time_s": service_s, "step_pace_s": pace_s, "rate_per_s": rate, "warmup_s": warmup_s,
            "duration_s": duration_s, "calibration": calib, "results": results}
     out["simulated"], out["calibration"]["load_scale"] = simulated_slow_replica(out)
     out["oracle"] = oracle_bound(out)

@@ -27,6 +27,9 @@ class EngineConfig:
     batch_size_max: int = 32  # cache slots: sequences decoded together in one step
     queue_depth_max: int = 64  # waiting requests beyond the running batch; more are refused (429)
     slowdown_factor: float = 1.0  # a straggler fault: every step takes this many times longer
+    min_step_s: float = 0.0  # benchmarks: a step takes at least this long (a replica that mostly waits, as a GPU
+    # replica's host does; a fixed pace keeps its service time steady on a busy box, where scaling the step's
+    # own wall time multiplied every scheduling delay)
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,8 @@ class ReplicaEngine:
             running = sorted((g for g in self._active.values() if id(g) not in fresh), key=lambda g: g.slot)
             t0 = time.monotonic()
             new_tokens = await asyncio.to_thread(self._step, admitted, running)
+            if self.cfg.min_step_s > 0:
+                await asyncio.sleep(self.cfg.min_step_s - (time.monotonic() - t0))
             if self.slowdown_factor > 1.0:
                 await asyncio.sleep((self.slowdown_factor - 1.0) * (time.monotonic() - t0))
             self.steps += 1

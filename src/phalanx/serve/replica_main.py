@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size-max", type=int, default=32)
     ap.add_argument("--queue-depth-max", type=int, default=64)
     ap.add_argument("--slowdown-factor", type=float, default=1.0, help="straggler fault: every step N times slower")
+    ap.add_argument("--min-step-s", type=float, default=0.0, help="benchmarks: each decode step takes at least this long")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--token-file", default=os.environ.get("PHALANX_TOKEN_FILE"),
                     help="cluster token the router signs requests with (default: $PHALANX_TOKEN_FILE)")
@@ -91,7 +92,8 @@ async def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     served = random_model(args.random_weights) if args.random_weights is not None else load_served_model(args.checkpoint, device)
-    engine = ReplicaEngine(served, EngineConfig(args.batch_size_max, args.queue_depth_max, args.slowdown_factor))
+    engine = ReplicaEngine(served, EngineConfig(args.batch_size_max, args.queue_depth_max, args.slowdown_factor,
+                                                       args.min_step_s))
     app = build_replica_app(engine, args.model_name, token)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
