@@ -145,6 +145,20 @@ def _mean_step(commits: list[Any]) -> float:
     return statistics.mean(_field(c, "step_s") for c in commits[5:])
 
 
+def rejoin_delays_s(events: list[dict[str, Any]]) -> list[float]:
+    """Each killed worker's time from its kill to its replacement joining the coordinator (the OS
+    teardown, the launcher noticing, a fresh Python importing torch, the connect): what the
+    simulator's ``restart_delay_s`` stands for, read from the real run's own events."""
+    out = []
+    for e in events:
+        if e.get("event") == "fault_injected" and e.get("kind") == "kill":
+            joined = next((j for j in events if j.get("event") == "worker_joined" and j.get("worker") == e["worker"]
+                           and j["t"] > e["t"]), None)
+            if joined is not None:
+                out.append(joined["t"] - e["t"])
+    return out
+
+
 def _calibrate(compute_s: float, allreduce_s: float, calib_step: float, process_exit_s: float) -> dict[str, float]:
     """The simulator's costs from the fault-free run's spans, step by step as a fault-free step runs
     now (the fast path): the next quorum's grant rides on the commit decision, so a step is the
@@ -170,7 +184,7 @@ def _simulate(steps: int, c: dict[str, float]) -> Any:
                    model_cfg=SimModelConfig(grad_buckets=1), step_compute_s=c["step_compute_s"], compute_jitter=0.05,
                    collective=CollectiveModel(alpha_s=c["alpha_s"], beta_s_per_byte=0.0),
                    link=LinkModel(latency_s=c["control_latency_s"], jitter_s=c["control_latency_s"] / 4),
-                   process_exit_s=c["process_exit_s"]).run()
+                   process_exit_s=c["process_exit_s"], restart_delay_s=c["restart_delay_s"]).run()
 
 
 def main() -> int:
@@ -190,6 +204,9 @@ def main() -> int:
     calib_step = _median_step(calib.commits)
     assert calib_step is not None, "the calibration run committed too few steps"
     calibration = _calibrate(compute_s, allreduce_s, calib_step, probe_process_exit_s(args.min_step_s))
+    # the simulator's default is 2 s; a real restart here takes what the run's events say
+    rejoins = rejoin_delays_s(list(real.events))
+    calibration["restart_delay_s"] = statistics.median(rejoins) if rejoins else 2.0
     sim_result = _simulate(args.steps, calibration)
     sim = sim_result.summary
     # A run with six kills spends ~40 % of its steps with three workers (a restarted process takes
