@@ -118,11 +118,56 @@ def test_serving_falls_back_to_asyncio_and_h11_without_uvloop_and_says_so(monkey
     assert asgi_server.http_impl("asyncio") == "h11"
     if asgi_server.has_fast_pair():
         assert asgi_server.run(loop_kind(), "auto").startswith("uvloop")
-        assert asgi_server.http_impl("auto") == "httptools"
+        assert asgi_server.http_impl("auto").__name__ == "CoalescingHttpToolsProtocol"
     monkeypatch.setattr(asgi_server, "has_fast_pair", lambda: False)
     assert asgi_server.run(loop_kind(), "auto", "phalanx replica").startswith("asyncio")
     assert asgi_server.http_impl("auto") == "h11"
     assert "uvloop/httptools not installed: serving on asyncio + h11" in capsys.readouterr().err
+
+
+class _RecordingTransport:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed
+        self.sent.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str) -> str:
+        return f"info:{name}"
+
+
+def test_writes_of_one_loop_iteration_leave_in_one_send_in_order_and_before_close():
+    async def main() -> None:
+        real = _RecordingTransport()
+        t = asgi_server.CoalescingTransport(real, asyncio.get_running_loop())  # type: ignore[arg-type]
+        t.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        t.write(b"body")
+        assert real.sent == [] and t.get_write_buffer_size() == 23
+        await asyncio.sleep(0)  # the end of the iteration
+        assert real.sent == [b"HTTP/1.1 200 OK\r\n\r\nbody"]
+        t.write(b"last")
+        t.close()  # flushed first
+        assert real.sent[-1] == b"last" and real.closed and t.get_extra_info("peername") == "info:peername"
+        big = asgi_server.WRITE_COALESCE_BYTES_MAX + 1
+        real2 = _RecordingTransport()
+        t2 = asgi_server.CoalescingTransport(real2, asyncio.get_running_loop())  # type: ignore[arg-type]
+        t2.write(b"x" * big)  # past the bound: out at once (flow control sees it)
+        assert real2.sent == [b"x" * big]
+        await asyncio.sleep(0)
+        assert len(real2.sent) == 1
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("event_loop", ["auto", "asyncio"])

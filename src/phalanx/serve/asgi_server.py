@@ -35,13 +35,78 @@ def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return None
 
 
-def http_impl(kind: str) -> str:
-    """uvicorn's ``http`` setting matching ``loop_factory(kind)``."""
-    return "httptools" if kind == "auto" and has_fast_pair() else "h11"
+def http_impl(kind: str) -> str | type[asyncio.Protocol]:
+    """uvicorn's ``http`` setting matching ``loop_factory(kind)``: httptools with one send per response
+    (``coalescing_httptools``) for auto when installed, else h11."""
+    return coalescing_httptools() if kind == "auto" and has_fast_pair() else "h11"
 
 
 def describe(kind: str) -> str:
-    return "uvloop + httptools" if http_impl(kind) == "httptools" else "asyncio + h11"
+    return "asyncio + h11" if http_impl(kind) == "h11" else "uvloop + httptools"
+
+
+WRITE_COALESCE_BYTES_MAX = 64 * 1024  # past this, buffered writes go out at once (flow control sees them)
+
+
+class CoalescingTransport:
+    """The writes a connection makes in one event-loop iteration leave in one ``send``.
+
+    uvicorn writes a response's head and its body separately: on loopback each write is a syscall that also
+    delivers the data and wakes the reader, so a small answer cost two sends here and two wake-ups (and
+    reads) at the router or client. Buffered writes go out at the end of the current iteration (``call_soon``),
+    before ``close``, or at once past ``WRITE_COALESCE_BYTES_MAX``; order is kept and nothing is held longer
+    than the iteration that wrote it. Everything else is the real transport's."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport, self._loop = transport, loop
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._pending:
+            self._loop.call_soon(self.flush)
+        self._pending.append(bytes(data))
+        self._pending_bytes += len(data)
+        if self._pending_bytes > WRITE_COALESCE_BYTES_MAX:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
+            self._pending.clear()
+            self._pending_bytes = 0
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def abort(self) -> None:
+        self._pending.clear()
+        self._pending_bytes = 0
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + self._pending_bytes
+
+    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, pause_reading, ...
+        return getattr(self._transport, name)
+
+
+def coalescing_httptools() -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol on a ``CoalescingTransport`` (imported only when httptools is installed)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class CoalescingHttpToolsProtocol(HttpToolsProtocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
+
+    return CoalescingHttpToolsProtocol
 
 
 def run(main: Coroutine[Any, Any, T], kind: str = "auto", who: str = "phalanx serve") -> T:
