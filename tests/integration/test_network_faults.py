@@ -29,13 +29,15 @@ def _allreduce_s(log, steps):
 
 
 def test_the_cut_off_minority_never_commits_then_heals_from_the_majority_and_rejoins(tmp_path):
-    plan = '[[fault]]\nkind = "partition"\ngroups = [[0, 1], [2]]\nat_step = 6\nfor_s = 2.0\n'
+    # 3 s: detection (0.6 s), the abort, a new group's rendezvous and a step must fit inside the cut
+    # even on a 2-core box that other jobs load (2 s failed once there, with no commit in the window)
+    plan = '[[fault]]\nkind = "partition"\ngroups = [[0, 1], [2]]\nat_step = 6\nfor_s = 3.0\n'
     s = train(tmp_path, plan, workers=3, steps=45, **PACE)
     assert_strict(s)  # (b): the run ends with the reference's parameters, every sample once
     run = tmp_path / "run"
     evs = events(run)
     begin, end = _window(_worker_log(run, "w2"), "partition")
-    assert end - begin >= 1.9
+    assert end - begin >= 2.9
 
     # (a) the minority side never commits during the partition: not in its own log...
     # (a decision for a step before the cut's may be logged a little later, when its body ends)

@@ -127,3 +127,19 @@ def test_drainers_are_released_as_soon_as_every_worker_said_goodbye():
 
     early, late = _run(scenario)
     assert early == [False, False] and late == [True, True]
+
+
+def test_a_worker_whose_outbox_fills_loses_its_connection_instead_of_silently_missing_messages():
+    async def scenario(coord, connect, loop):
+        a, _ = await connect("w0")
+        s = coord.sessions["w0"]
+        while not s.outbox.full():  # as if its socket had stopped draining
+            s.outbox.put_nowait(Heartbeat(seq=0, step=-1))
+        coord._send(s, Refused(reason="one message too many"))
+        await asyncio.sleep(0.1)
+        return [e for e in coord.events if e["event"] in ("connection_lost", "worker_suspected")]
+
+    events = _run(scenario)
+    lost = next(e for e in events if e["event"] == "connection_lost")
+    assert lost["worker"] == "w0" and "1024 messages queued for w0 unsent" in lost["reason"]
+    assert any(e["event"] == "worker_suspected" and e["worker"] == "w0" for e in events)

@@ -138,9 +138,18 @@ class Coordinator(WorkerMessages):
         return missing
 
     def _send(self, s: WorkerSession, message: Any) -> None:
-        """Queue a message for one worker; one sender task per connection keeps them in order."""
-        if s.connected and not s.outbox.full():
-            s.outbox.put_nowait(message)
+        """Queue a message for one worker; one sender task per connection keeps them in order.
+
+        A full outbox means the worker has not taken the last ``maxsize`` messages (stuck, or its
+        link is). A message is never dropped silently (a lost decision or grant would stall it):
+        its connection is closed instead, so it is suspected now and reconnects when it can."""
+        if not s.connected:
+            return
+        if s.outbox.full():
+            if not s.conn.is_closed:
+                s.conn.close(f"{s.outbox.maxsize} messages queued for {s.worker_id} unsent: it is not reading")
+            return
+        s.outbox.put_nowait(message)
 
     async def _sender(self, s: WorkerSession) -> None:
         """Sends what is queued for one worker, in order; messages queued together (a decision
