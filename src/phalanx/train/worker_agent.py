@@ -122,7 +122,7 @@ class WorkerAgent(Healing):
         """Any message is a sign of life to the coordinator: a heartbeat goes out only when nothing
         else did for half an interval (so it hears from us at least every 1.5 intervals)."""
         seq = 0
-        while not self.shutdown_reason:
+        while not self.shutdown_reason or self._decision_due_s:  # a decision still awaited keeps its deadline
             interval_s = self.welcome.heartbeat_interval_s if self.welcome else 0.1
             now = self.host.now()
             self._expire_decisions(now)
@@ -290,7 +290,8 @@ class WorkerAgent(Healing):
             ok, error = False, str(e)
         except QuorumBroken as e:
             ok, error = False, str(e)
-        self._phase_mark = None  # the report below moves the phase on
+        finally:
+            self._phase_mark = None  # the report below moves the phase on (or the step is gone)
         covered_once, loss = verify() if ok else (False, 0.0)
         conn = self._conn
         await self._send(AllreduceDone(step=a.step, quorum_id=a.quorum_id, ok=ok, error=error,
