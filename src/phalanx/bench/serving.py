@@ -208,6 +208,19 @@ def _sim_case(bench: dict[str, Any], name: str, scale: float, seed: int = 0) -> 
     return out
 
 
+def _sim_seeds(bench: dict[str, Any], name: str, scale: float, seeds: int = 5) -> dict[str, Any]:
+    """``_sim_case`` over several simulator seeds (service draws, the policy's own coin): medians of each
+    quantile, so the simulated side of the comparison carries less of its own sampling noise."""
+    import statistics
+
+    runs = [_sim_case(bench, name, scale, seed) for seed in range(seeds)]
+    out = dict(runs[0])  # seed 0's own latencies, starts and counts
+    out["latency_s"] = {q: statistics.median(r["latency_s"][q] for r in runs) for q in ("p50", "p99", "p99.9")}
+    out["hedges"] = statistics.median(r["hedges"] for r in runs)
+    out["seeds"] = seeds
+    return out
+
+
 def _fit_load_scale(bench: dict[str, Any]) -> float:
     """The factor on the alone-measured service times that makes the simulated all-healthy p50 equal the real
     one: what running 4 replicas, the router and the load generator side by side costs each request (the
@@ -216,7 +229,7 @@ def _fit_load_scale(bench: dict[str, Any]) -> float:
     lo, hi = 0.3, 4.0
     for _ in range(14):  # bisection: the simulated p50 grows with the scale
         mid = (lo + hi) / 2
-        if _sim_case(bench, "healthy", mid)["latency_s"]["p50"] < target:
+        if _sim_seeds(bench, "healthy", mid, 3)["latency_s"]["p50"] < target:
             lo = mid
         else:
             hi = mid
@@ -229,7 +242,7 @@ def simulated_slow_replica(bench: dict[str, Any]) -> tuple[dict[str, Any], float
     scale = _fit_load_scale(bench)
     out: dict[str, Any] = {}
     for name in bench["results"]:
-        raw, cal = _sim_case(bench, name, 1.0), _sim_case(bench, name, scale)
+        raw, cal = _sim_seeds(bench, name, 1.0), _sim_seeds(bench, name, scale)
         out[name] = dict(cal, uncalibrated={"latency_s": raw["latency_s"]})
     return out, scale
 
@@ -450,7 +463,7 @@ def slow_report(s: dict[str, Any]) -> list[str]:
              f"{s['duration_s']:g} s measured after {s['warmup_s']:g} s of warm-up; simulator calibrated with "
              f"service x {cal.get('load_scale', 1.0):.2f} (fitted on the healthy p50)", "",
              "| case | n | failed | p50 s | p99 s | p99.9 s | p99 / healthy | hedges (extra) | sim p50 s | sim p99 s "
-             "| p50 sim/real | p99 sim/real | sim p99 uncalibrated | load avg |",
+             "| p50 sim/real | p99 sim/real | uncalibrated p50, p99 sim/real | load avg |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, r in res.items():
         lat = r["latency_s"]
@@ -458,8 +471,10 @@ def slow_report(s: dict[str, Any]) -> list[str]:
                f"{lat['p99'] / base:.2f}x | {r.get('hedges', 0):.0f} ({100 * r.get('hedges', 0) / max(r['ok'], 1):.1f} %) |")
         if n in sims:
             sl = sims[n]["latency_s"]
-            row += (f" {sl['p50']:.3f} | {sl['p99']:.3f} | {sl['p50'] / lat['p50']:.2f} | {sl['p99'] / lat['p99']:.2f} | "
-                    f"{sims[n]['uncalibrated']['latency_s']['p99']:.3f} |")
+            ul = sims[n]["uncalibrated"]["latency_s"]
+            censored = " (real p99 censored: timeouts)" if r["errors"] else ""
+            row += (f" {sl['p50']:.3f} | {sl['p99']:.3f} | {sl['p50'] / lat['p50']:.2f} | {sl['p99'] / lat['p99']:.2f}"
+                    f"{censored} | {ul['p50'] / lat['p50']:.2f}, {ul['p99'] / lat['p99']:.2f} |")
         lines.append(row + f" {r.get('loadavg', 0):.1f} |")
     if "oracle" in s:
         o = s["oracle"]
@@ -518,7 +533,16 @@ def main() -> int:
     ap.add_argument("--rollout-rate", type=float, default=20.0, help="req/s for the rollout case")
     ap.add_argument("--overhead-rate", type=float, default=200.0, help="req/s for the router-overhead case")
     ap.add_argument("--out", default="runs/bench-serving.json")
+    ap.add_argument("--resim", default=None, help="a slow-replica JSON of an earlier run: replay its cases in the "
+                    "simulator again (the real part is not rerun) and print the table")
     args = ap.parse_args()
+    if args.resim:
+        bench = json.loads(Path(args.resim).read_text())
+        bench = bench.get("slow_replica", bench)
+        bench["simulated"], bench["calibration"]["load_scale"] = simulated_slow_replica(bench)
+        bench["oracle"] = oracle_bound(bench)
+        print("\n".join(slow_report(bench)))
+        return 0
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-serving-") as tmp:  # the token goes with the run
         return _run_sections(args, make_token_file(tmp))
 
