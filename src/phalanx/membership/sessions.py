@@ -72,6 +72,7 @@ class Sessions:
 
     def __init__(self) -> None:
         self._by_id: dict[str, WorkerSession] = {}
+        self._order: list[str] | None = None  # the ids sorted, until one is added or removed
         self.healthy_n = 0
         self.waiting_n = 0  # healthy sessions asking for a quorum
 
@@ -89,7 +90,10 @@ class Sessions:
         return self._by_id.get(worker_id)
 
     def values(self) -> list[WorkerSession]:
-        return [self._by_id[k] for k in sorted(self._by_id)]
+        if self._order is None:
+            self._order = sorted(self._by_id)
+        by_id = self._by_id
+        return [by_id[k] for k in self._order]
 
     def unordered(self) -> Iterator[WorkerSession]:
         """For hot paths whose result does not depend on order (filters, counts)."""
@@ -114,6 +118,8 @@ class Sessions:
         if old is not None:
             with self._change(old):
                 del self._by_id[s.worker_id]
+        else:
+            self._order = None
         self._by_id[s.worker_id] = s
         h, w = _counted(s)
         self.healthy_n, self.waiting_n = self.healthy_n + h, self.waiting_n + w
@@ -123,12 +129,16 @@ class Sessions:
         if self._by_id.get(s.worker_id) is s:
             with self._change(s):
                 del self._by_id[s.worker_id]
+            self._order = None
 
     def set_waiting(self, s: WorkerSession, waiting: bool, now: float = 0.0) -> None:
-        with self._change(s):
-            if waiting:
-                s.waiting_since_s = now
-            s.waiting = waiting
+        # _change's bookkeeping written out (twice per worker and step): only the waiting count
+        # can move, and only for a counted, healthy session
+        if s.waiting != waiting and self._by_id.get(s.worker_id) is s and s.healthy:
+            self.waiting_n += 1 if waiting else -1
+        if waiting:
+            s.waiting_since_s = now
+        s.waiting = waiting
 
     def suspect(self, s: WorkerSession, cause: SuspicionCause, reason: str) -> bool:
         """Out of the quorum; False if it already was (or is done)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -85,6 +86,7 @@ class SimWorker:
         self.straggle_factor = 1.0
         self.restarts = 0
         self.gone = False  # killed with restart = false
+        self._bucket_bounds: list[tuple[int, int]] | None = None
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -178,8 +180,14 @@ class SimWorker:
         return BodyResult(True, count, vote.loss)
 
     def _buckets(self, grad: np.ndarray) -> list[np.ndarray]:
-        cfg = self.env.model_cfg
-        return np.array_split(grad, max(1, min(cfg.grad_buckets, cfg.features)))
+        """Views of ``grad`` in the configured number of buckets (np.array_split's bounds, computed once)."""
+        if self._bucket_bounds is None:
+            cfg = self.env.model_cfg
+            n, k = cfg.features, max(1, min(cfg.grad_buckets, cfg.features))
+            sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
+            ends = list(itertools.accumulate(sizes))
+            self._bucket_bounds = list(zip([0, *ends[:-1]], ends))
+        return [grad[a:b] for a, b in self._bucket_bounds]
 
     async def _compute_overlapped(self, ticket: Ticket, idx: np.ndarray, compute_s: float,
                                   t0: float) -> list[np.ndarray]:
