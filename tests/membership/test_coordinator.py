@@ -5,7 +5,7 @@ deciding for everyone else."""
 import asyncio
 
 from phalanx.core.messages import (
-    CheckpointWritten, Goodbye, Heartbeat, Hello, QuorumAssigned, QuorumRequest, Refused, Welcome,
+    AllreduceDone, Bundle, CheckpointWritten, Goodbye, Heartbeat, Hello, QuorumAssigned, QuorumRequest, Refused, Welcome,
 )
 from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
 from phalanx.membership.quorum import QuorumConfig
@@ -143,3 +143,21 @@ def test_a_worker_whose_outbox_fills_loses_its_connection_instead_of_silently_mi
     lost = next(e for e in events if e["event"] == "connection_lost")
     assert lost["worker"] == "w0" and "1024 messages queued for w0 unsent" in lost["reason"]
     assert any(e["event"] == "worker_suspected" and e["worker"] == "w0" for e in events)
+
+
+def test_an_epochs_member_list_goes_once_and_the_next_grant_rides_with_the_decision():
+    async def scenario(coord, connect, loop):
+        conns = [(await connect(w))[0] for w in ("w0", "w1")]
+        for c in conns:
+            await c.send(QuorumRequest(step=0, last_committed_step=-1, has_state=False))
+        first = [await _next(c, QuorumAssigned) for c in conns]
+        for c, a in zip(conns, first):
+            await c.send(AllreduceDone(step=0, quorum_id=a.quorum_id, ok=True, samples_covered_once=True, next_step=1))
+        return first, [await _next(c, Bundle) for c in conns]
+
+    first, bundles = _run(scenario, quorum=QuorumConfig(expected_workers=2, join_timeout_s=0.5))
+    assert [a.members for a in first] == [["w0", "w1"]] * 2
+    for rank, b in enumerate(bundles):
+        decision, grant = b.items
+        assert decision.commit and decision.step == 0
+        assert (grant.step, grant.quorum_id, grant.rank, grant.members) == (1, first[0].quorum_id, rank, [])

@@ -3,7 +3,7 @@
 import asyncio
 import random
 
-from phalanx.core.messages import InjectFault, QuorumAssigned
+from phalanx.core.messages import Bundle, InjectFault, QuorumAssigned, StepDecision
 from phalanx.sim.loop import run_virtual
 from phalanx.train.network_faults import NetworkFaults
 
@@ -66,3 +66,9 @@ def test_quorum_assignments_name_heal_sources_and_quorum_members():
                                                           heal_from="w0", heal_address="127.0.0.1:4242"))
     assert net.transport.peer_name("127.0.0.1:4242") == "w0"
     assert net.members_of(3) == ("w0", "w2") and net.members_of(2) is None
+    # grants inside a Bundle count; one that says "the same members" ([]) keeps what is known
+    net.transport.on_message("coordinator", Bundle(items=[
+        StepDecision(step=5, quorum_id=3, commit=True, reason=""),
+        QuorumAssigned(step=6, quorum_id=3, members=[], rank=1),
+        QuorumAssigned(step=6, quorum_id=4, members=["w1", "w2"], rank=1)]))
+    assert net.members_of(3) == ("w0", "w2") and net.members_of(4) == ("w1", "w2")

@@ -139,6 +139,8 @@ class Welcome(_Msg):
 class QuorumAssigned(_Msg):
     step: Count
     quorum_id: Count
+    # [] = the members of quorum_id as this connection was first told them (an id always names the
+    # same members; the list goes to each worker once per epoch, not with every step's grant)
     members: Names
     rank: Count
     heal_from: Name = ""  # worker id this member heals from before the step ("" = none)

@@ -334,13 +334,18 @@ class Coordinator(WorkerMessages):
         heal_targets: dict[str, list[str]] = {}
         for t in sorted(d.heal_from):
             heal_targets.setdefault(d.heal_from[t], []).append(t)
+        members = list(d.members)
         for rank, w in enumerate(d.members):
             s = self.sessions[w]
             self.sessions.set_waiting(s, False)
             s.phase = (fd.Phase.ASSIGNED, now)
             src = d.heal_from.get(w, "")
+            # an epoch's member list goes to each worker once (its id names the same members for
+            # good): at 1,024 workers, resending it with every grant was 1 M names a step
+            full = s.members_sent_for != d.quorum_id
+            s.members_sent_for = d.quorum_id
             self._send(s, QuorumAssigned(
-                step=d.step, quorum_id=d.quorum_id, members=list(d.members), rank=rank, heal_from=src,
+                step=d.step, quorum_id=d.quorum_id, members=members if full else [], rank=rank, heal_from=src,
                 heal_address=self.sessions[src].heal_address if src else "", heal_targets=heal_targets.get(w, []),
                 restore_checkpoint=d.restore_checkpoint, write_checkpoint=(w == writer), shard_weights=weights,
                 local_step=local_step, catch_up=finished))

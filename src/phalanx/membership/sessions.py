@@ -54,6 +54,7 @@ class WorkerSession:
     released: bool = False  # told it may leave (no worker can still need its final state)
     requested_step: int = -1  # the step number the worker asked a quorum for (local-sgd: its local step)
     asks_next: int = -1  # the fast path: the step it asked for in its report, should that step commit
+    members_sent_for: int = -1  # the quorum id whose member list this connection was sent
     left_at_s: float = -1.0  # when it disconnected (-1: connected)
     outbox: asyncio.Queue[Any] = field(default_factory=lambda: asyncio.Queue(maxsize=1024))
 

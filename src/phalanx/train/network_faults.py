@@ -22,7 +22,7 @@ from typing import Any
 from phalanx.collectives.faulty import FaultyProcessGroupFactory
 from phalanx.collectives.process_group import ProcessGroupFactory
 from phalanx.core.host import Host
-from phalanx.core.messages import InjectFault, QuorumAssigned
+from phalanx.core.messages import Bundle, InjectFault, QuorumAssigned
 from phalanx.transport.faulty import COORDINATOR, DISTRIBUTIONS, FaultyTransport, LinkEffect, NetworkConditions
 
 NETWORK_FAULT_KINDS = frozenset({"partition", "latency", "loss", "bandwidth"})
@@ -119,9 +119,14 @@ class NetworkFaults:
 
     # ---- what the seams cannot see ----
     def _observe(self, peer: str, message: Any) -> None:
+        if isinstance(message, Bundle):  # a decision and the next grant in one frame
+            for m in message.items:
+                self._observe(peer, m)
+            return
         if not isinstance(message, QuorumAssigned):
             return
-        self._members[message.quorum_id] = tuple(message.members)
+        if message.members:  # [] = the epoch's members, unchanged: already known from its first grant
+            self._members[message.quorum_id] = tuple(message.members)
         for q in sorted(self._members)[:-MEMBERS_KEPT]:
             del self._members[q]
         if message.heal_from and message.heal_address:

@@ -60,6 +60,7 @@ class WorkerAgent(Healing):
         self._last_sent_s = float("-inf")  # any message is a sign of life: heartbeats fill the gaps
         self._phase_mark: tuple[int, int, str, float] | None = None  # (step, quorum id, phase, entered at)
         self._decision_due_s: dict[tuple[int, int], float] = {}  # (step, quorum id) -> give up waiting then
+        self._members: tuple[int, tuple[str, ...]] = (-1, ())  # the last member list received, with its quorum id
         self._racing: dict[asyncio.Future[Any], int] = {}  # work that a broken quorum interrupts -> its id
         self._interrupted: dict[asyncio.Future[Any], Exception] = {}
         self.heal_address = ""
@@ -169,12 +170,18 @@ class WorkerAgent(Healing):
 
     def _dispatch(self, m: Any) -> None:
         if isinstance(m, QuorumAssigned):
-            a = Assignment(m.step, m.quorum_id, tuple(m.members), m.rank, m.heal_from, m.heal_address,
+            if m.quorum_id < self.max_quorum_id_seen:
+                self.host.log("stale_assignment_ignored", quorum_id=m.quorum_id, seen=self.max_quorum_id_seen)
+                return  # fencing: an older epoch's assignment is never acted on
+            if m.members:
+                self._members = (m.quorum_id, tuple(m.members))
+            elif self._members[0] != m.quorum_id:  # a coordinator bug: start over on a new connection
+                if self._conn is not None:
+                    self._conn.close(f"a grant for quorum {m.quorum_id} named no members, and none are known for it")
+                return
+            a = Assignment(m.step, m.quorum_id, self._members[1], m.rank, m.heal_from, m.heal_address,
                            tuple(m.heal_targets), m.restore_checkpoint, m.write_checkpoint,
                            tuple(m.shard_weights), m.local_step, m.catch_up)
-            if a.quorum_id < self.max_quorum_id_seen:
-                self.host.log("stale_assignment_ignored", quorum_id=a.quorum_id, seen=self.max_quorum_id_seen)
-                return  # fencing: an older epoch's assignment is never acted on
             self.max_quorum_id_seen = a.quorum_id
             if self._assignment is not None and not self._assignment.done():
                 self._assignment.set_result(a)

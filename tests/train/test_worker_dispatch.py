@@ -1,0 +1,43 @@
+"""How the worker agent takes grants: an epoch's member list arrives once; a later grant of the same
+epoch says [] and means the same members; [] for an epoch it never heard of closes the connection
+(it reconnects and is sent full lists); a stale epoch's grant is ignored."""
+
+import asyncio
+import random
+
+from phalanx.core.messages import QuorumAssigned
+from phalanx.sim.loop import run_virtual
+from phalanx.train.worker_agent import WorkerAgent, WorkerConfig
+
+
+class _Host:
+    rng = random.Random(0)
+
+    def now(self):
+        return asyncio.get_running_loop().time()
+
+    def log(self, event, **fields):
+        pass
+
+
+class _Conn:
+    closed_because = ""
+
+    def close(self, reason="closed"):
+        self.closed_because = reason
+
+
+def test_grants_reuse_the_epochs_member_list_and_an_unknown_empty_one_drops_the_connection():
+    async def main():
+        agent = WorkerAgent(_Host(), WorkerConfig("w1", "c:1"), pg_factory=None)
+        agent._conn = conn = _Conn()
+        agent._dispatch(QuorumAssigned(step=0, quorum_id=3, members=["w0", "w1"], rank=1))
+        agent._dispatch(QuorumAssigned(step=1, quorum_id=3, members=[], rank=1))
+        early, _ = agent._early
+        assert (early.step, early.members, early.rank) == (1, ("w0", "w1"), 1) and not conn.closed_because
+        agent._dispatch(QuorumAssigned(step=2, quorum_id=2, members=[], rank=0))  # stale epoch: ignored
+        assert agent._early[0].step == 1 and not conn.closed_because
+        agent._dispatch(QuorumAssigned(step=2, quorum_id=4, members=[], rank=0))
+        assert "quorum 4 named no members" in conn.closed_because and agent._early[0].step == 1
+
+    run_virtual(main())
