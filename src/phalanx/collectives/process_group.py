@@ -105,6 +105,14 @@ class _TorchPending:
 
     async def wait(self, timeout_s: float) -> None:
         group = self._group
+        work_fut = self._work.get_future()
+        if work_fut.done():  # finished during backward (overlap): no thread hop, no timer
+            try:
+                work_fut.value()
+                return
+            except Exception as e:
+                group.abandon()
+                raise CollectiveError(f"all-reduce failed in quorum {group.quorum_id}: {_short(e)}") from e
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
 
@@ -119,9 +127,10 @@ class _TorchPending:
                     done.set_exception(CollectiveError(f"all-reduce failed in quorum {group.quorum_id}: {_short(e)}"))
             loop.call_soon_threadsafe(settle)
 
-        self._work.get_future().add_done_callback(on_done)
+        work_fut.add_done_callback(on_done)
         try:
-            await asyncio.wait_for(asyncio.shield(done), timeout_s)
+            async with asyncio.timeout(timeout_s):  # one timer; a timeout cancels only our own future
+                await done
         except asyncio.TimeoutError as e:
             group.abandon()
             raise CollectiveError(f"all-reduce in quorum {group.quorum_id} passed its {timeout_s:.1f} s deadline") from e
