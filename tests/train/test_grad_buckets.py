@@ -105,3 +105,36 @@ def test_after_a_step_that_did_not_commit_the_buckets_get_fresh_memory():
     _loss(m).backward()
     b.finish()
     assert [s[0] for s in ex.started] == [bk.flat.data_ptr() for bk in b.buckets]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_the_last_bucket_carries_the_tail_unscaled_and_waits_for_it(set_to_none):
+    """One collective fewer a step: the last bucket has room for the tail, the hooks leave it for
+    finish() (the tail is filled first), its gradients are scaled and its tail is not."""
+    ref = _model()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    b = GradientBuckets(list(m.parameters()), bucket_bytes=4 * 300)
+    for step in range(2):  # the room is made once, then reused
+        opt.zero_grad(set_to_none=set_to_none)
+        ref.zero_grad()
+        _loss(ref).backward()
+        ex = RecordingExchange(world=2)
+        b.arm(ex, share=0.5, tail_size=3)
+        _loss(m).backward()
+        assert len(ex.started) == len(b.buckets) - 1  # the last waits for its tail
+        tail = b.tail_view()
+        tail.copy_(torch.tensor([1.0, 2.0, 0.25]))  # coverage 1, 2; loss * share 0.25
+        assert b.finish() == ""
+        last = b.buckets[-1]
+        assert ex.started[-1] == (last.flat.data_ptr(), last.numel + 3, round(last.numel / b.total_numel, 6))
+        assert tail.tolist() == [2.0, 4.0, 0.5]  # summed over 2 ranks, never scaled by the share
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-7)
+
+
+def test_a_bucket_of_half_precision_does_not_carry_the_tail():
+    m = _model().half()
+    b = GradientBuckets(list(m.parameters()))
+    b.arm(RecordingExchange(), share=1.0, tail_size=5)
+    assert b.tail_view() is None and b.buckets[-1].flat.numel() == b.buckets[-1].numel

@@ -163,13 +163,13 @@ def _calibrate(compute_s: float, allreduce_s: float, calib_step: float, process_
     """The simulator's costs from the fault-free run's spans, step by step as a fault-free step runs
     now (the fast path): the next quorum's grant rides on the commit decision, so a step is the
     compute span, the all-reduce span (the gradient's one bucket -- 0.47 MB, under the 8 MiB bucket
-    size -- and the coverage tail, then the report -> decision round trip), and a gap of local work
-    outside both spans (the optimizer step, the loop). The spans cannot tell the collectives from
-    the round trip, so the all-reduce span is split evenly: half for the two collectives (each a
-    4-rank ring, 2(n-1) alphas), half for the two one-way control hops. The gap is local work, so it
-    is charged as compute. Plus the OS's process teardown after SIGKILL (a one-off probe)."""
+    size -- carrying the coverage tail, then the report -> decision round trip), and a gap of local
+    work outside both spans (the optimizer step, the loop). The spans cannot tell the collective from
+    the round trip, so the all-reduce span is split evenly: half for the one collective (a 4-rank
+    ring, 2(n-1) alphas), half for the two one-way control hops. The gap is local work, so it is
+    charged as compute. Plus the OS's process teardown after SIGKILL (a one-off probe)."""
     gap_s = max(0.0, calib_step - compute_s - allreduce_s)
-    return {"gap_s": gap_s, "step_compute_s": compute_s + gap_s, "alpha_s": (allreduce_s / 2) / (2 * 2 * 3),
+    return {"gap_s": gap_s, "step_compute_s": compute_s + gap_s, "alpha_s": (allreduce_s / 2) / (2 * 3),
             "control_latency_s": max(0.0002, allreduce_s / 4), "process_exit_s": process_exit_s}
 
 

@@ -159,22 +159,27 @@ class SimWorker:
             return BodyResult(True, count, loss / share)
         ex = ticket.exchange
         assert ex is not None, "a voting ticket carries its exchange"
-        # the gradient in buckets, in order (as real runs start them from autograd hooks), then
-        # the tail: the same Exchange and vote as real runs
+        # the gradient in buckets, in order (as real runs start them from autograd hooks); the last
+        # carries the tail after its gradients, as in real runs: the same Exchange and vote
         if not overlapped:
             buckets = self._buckets(grad)
-            for b in buckets:
+            for b in buckets[:-1]:
                 ex.launch(b, len(b) / cfg.features)
         layout = TailLayout(gbs)
-        tail = np.empty(layout.size)
+        last = len(buckets[-1])
+        carrier = np.empty(last + layout.size)
+        carrier[:last] = buckets[-1]
+        tail = carrier[last:]
         layout.fill(tail, offset, idx, loss / share, share)
         expected = expected_coverage(a.step, cfg.dataset_size, gbs, cfg.seed, np.float64)
         self.span("compute", t0, step=a.step, quorum_id=a.quorum_id)
         t1 = host.now()
-        vote = await self.engine.vote(a, ex, tail, lambda: layout.verify(tail, expected), host.now() - t0)
+        ex.launch(carrier, last / cfg.features)
+        vote = await self.engine.vote(a, ex, None, lambda: layout.verify(tail, expected), host.now() - t0)
         self.span("allreduce", t1, step=a.step, quorum_id=a.quorum_id, commit=vote.commit)
         if not vote.commit:
             return BodyResult(False, count, None, vote.reason)  # rolled back: parameters untouched
+        buckets[-1] = carrier[:last]  # the last bucket's sum landed in the carrier
         self.w = self.w - cfg.lr * np.concatenate(buckets)
         self.observer.on_worker_commit(self, a.step, a.quorum_id, params_digest(self.w))
         return BodyResult(True, count, vote.loss)
@@ -196,14 +201,16 @@ class SimWorker:
         gradient's arithmetic is the same as without overlap (the parameters do not change during
         the body), so only the timing differs; the group's links still carry one collective at
         a time (busy_until_s), so a bucket that is ready while the previous one is on the wire
-        waits for it."""
+        waits for it. The last bucket, ready as the compute ends, is started by the caller with the
+        tail in it, as real runs do."""
         assert self.agent is not None and ticket.exchange is not None
         host, cfg = self.agent.host, self.env.model_cfg
         grad, _ = self.env.data.shard_gradient(self.w, idx)
         buckets = self._buckets(grad)
         for k, b in enumerate(buckets):
             await host.sleep(max(0.0, t0 + compute_s * (k + 1) / len(buckets) - host.now()))
-            ticket.exchange.launch(b, len(b) / cfg.features)
+            if k < len(buckets) - 1:  # the last, ready as the compute ends, goes with the tail
+                ticket.exchange.launch(b, len(b) / cfg.features)
         return buckets
 
     # ---- TrainingState ----

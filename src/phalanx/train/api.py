@@ -32,7 +32,7 @@ from phalanx.core.errors import ConfigError, FinalStateUnavailable
 from phalanx.train import sharding
 from phalanx.train.faults_in_process import InProcessFaults
 from phalanx.train.grad_buckets import DEFAULT_BUCKET_BYTES, GradientBuckets, copy_back, coverage_tail, start_gradients
-from phalanx.train.step_buffer import expected_coverage
+from phalanx.train.step_buffer import TailLayout, expected_coverage
 from phalanx.train.step_engine import BodyResult, LoopExited, StepEngine, Ticket
 from phalanx.train.torch_state import SpanLog, TorchState
 from phalanx.train.worker_agent import WorkerAgent
@@ -245,7 +245,7 @@ class Job:
         from the backward pass (the quorum's group is already open in the ticket's exchange)."""
         b, ex, sh = self._buckets, st._ex, st._shard
         if b is not None and ex is not None and sh is not None and not st.local and sh[3]:
-            b.arm(ex, sh[1] / sh[3])
+            b.arm(ex, sh[1] / sh[3], TailLayout(sh[3]).size)
 
     def _allreduce(self, st: Step, model: torch.nn.Module | None, loss: Any) -> bool:
         """The vote: the gradient buckets ``* n_i/N`` (most already on the wire, started during
@@ -264,13 +264,20 @@ class Job:
         offset, count, idx, gbs = (sh[0], sh[1], sh[2], sh[3]) if sh else (0, 0, np.zeros(0, np.int64), 0)
         share = count / gbs if gbs else 0.0
         buckets = self._buckets if model is self.model else None
-        params, flat, error = start_gradients(model, buckets, ex, share)
+        if buckets is not None and not buckets.armed:  # no shard before backward: armed now
+            buckets.arm(ex, share, TailLayout(gbs).size)
+        # the tail rides in the last bucket when it can (filled before that bucket starts), else alone
+        carrier = buckets.tail_view() if buckets is not None else None
+        error = buckets.error if buckets is not None else ""  # known from the hooks: withhold the coverage
         tail, verify = coverage_tail(gbs, offset, idx if not error else np.zeros(0, np.int64), loss_value, share,
                                      buckets.device if buckets is not None else torch.device("cpu"),
-                                     expected_coverage(st.number, sh[4], gbs, self.data_seed) if sh else None)
+                                     expected_coverage(st.number, sh[4], gbs, self.data_seed) if sh else None,
+                                     out=carrier)
+        params, flat, error = start_gradients(model, buckets, ex, share)
         self._spans.span("compute", st.started_s, step=st.number, quorum_id=st.quorum_id, samples=count)
         t0 = time.monotonic()
-        ex.launch(tail, 0.0)  # from this thread too: the tail need not wait for the hand-over
+        if carrier is None:
+            ex.launch(tail, 0.0)  # from this thread too: the tail need not wait for the hand-over
         vote = self._call(self.engine.vote(st._a, ex, None, verify, compute_s))
         if error:  # the coverage was withheld, so the step aborted everywhere; now say why
             if buckets is not None:

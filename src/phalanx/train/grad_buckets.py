@@ -56,6 +56,9 @@ class GradientBuckets:
         self._share = 0.0
         self._next = 0  # the next bucket index to start (in order)
         self.error = ""
+        # > 0: the last bucket's buffer carries the step's tail ([coverage | loss]) after its
+        # gradients, and starts with it once the tail is filled (one collective fewer a step)
+        self.tail_size = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     def _build(self, bucket_bytes: int) -> None:
@@ -86,13 +89,38 @@ class GradientBuckets:
         return self.buckets[0].flat.device if self.buckets else torch.device("cpu")
 
     # ---- one step ----
-    def arm(self, exchange: Any, share: float) -> None:
-        """The step's shard is known: buckets completed from now on start their all-reduce."""
+    def arm(self, exchange: Any, share: float, tail_size: int = 0) -> None:
+        """The step's shard is known: buckets completed from now on start their all-reduce. With
+        ``tail_size``, the last bucket makes room for the tail (when its dtype holds the coverage's
+        integers exactly) and waits for it (``tail_view``, then ``finish``)."""
         self._exchange, self._share = exchange, share
         self._next, self.error = 0, ""
+        carries = tail_size > 0 and bool(self.buckets) and self.buckets[-1].flat.dtype in (torch.float32, torch.float64)
+        self.tail_size = tail_size if carries else 0
+        if self.tail_size:
+            self._reserve_tail(self.tail_size)
         for b in self.buckets:
             b.started = False
             b.seen.clear()
+
+    def _reserve_tail(self, n: int) -> None:
+        """Give the last bucket room for an ``n``-long tail (once, or when n changes). A ``.grad``
+        still on the old memory is copied in by the next hook, as after ``zero_grad``."""
+        b = self.buckets[-1]
+        if b.flat.numel() == b.numel + n:
+            return
+        b.flat = torch.zeros(b.numel + n, dtype=b.flat.dtype, device=b.flat.device)
+        pos = 0
+        for j, p in enumerate(b.params):
+            b.views[j] = b.flat[pos : pos + p.numel()].view_as(p)
+            pos += p.numel()
+
+    def tail_view(self) -> torch.Tensor | None:
+        """Where this step's tail goes (fill it before ``finish``), or None: it travels alone."""
+        if not self.tail_size:
+            return None
+        b = self.buckets[-1]
+        return b.flat[b.numel :]
 
     @property
     def armed(self) -> bool:
@@ -130,11 +158,13 @@ class GradientBuckets:
             b = self.buckets[self._next]
             if len(b.seen) < len(b.params):
                 return
+            if self.tail_size and b is self.buckets[-1]:
+                return  # it carries the tail: finish() starts it once the tail is in
             self._start(b)
 
     def _start(self, b: _Bucket) -> None:
         b.started = True
-        b.flat.mul_(self._share)
+        (b.flat[: b.numel] if b.flat.numel() != b.numel else b.flat).mul_(self._share)  # not the tail
         self._exchange.launch(b.flat, b.numel / max(self.total_numel, 1))
         self._next += 1
 
@@ -179,7 +209,7 @@ def start_gradients(model: torch.nn.Module | None, buckets: GradientBuckets | No
     if buckets is not None:
         if not buckets.armed:  # no shard before backward: start them all now
             buckets.arm(ex, share)
-        error = buckets.finish()
+        error = buckets.finish()  # the caller filled the tail first, if the last bucket carries it
         return buckets.params, None, error
     params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
     flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
@@ -201,11 +231,13 @@ def copy_back(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
 
 
 def coverage_tail(gbs: int, offset: int, idx: np.ndarray, loss: float, share: float, device: torch.device,
-                  expected: np.ndarray | None) -> tuple[torch.Tensor, Callable[[], tuple[bool, float]]]:
-    """The tail ``[coverage | loss * share]`` on the gradients' device, and its check after the sum."""
+                  expected: np.ndarray | None, out: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, Callable[[], tuple[bool, float]]]:
+    """The tail ``[coverage | loss * share]`` on the gradients' device (in ``out``, the last
+    bucket's room for it, when given), and its check after the sum."""
     layout = TailLayout(gbs)
-    tail = torch.empty(layout.size, dtype=torch.float32, device=device)
-    host = tail if tail.device.type == "cpu" else torch.empty(layout.size, dtype=torch.float32)
+    tail = out if out is not None else torch.empty(layout.size, dtype=torch.float32, device=device)
+    host = tail if tail.device.type == "cpu" else torch.empty(layout.size, dtype=tail.dtype)
     layout.fill(host.numpy(), offset, idx, loss, share)
     if host is not tail:
         tail.copy_(host)

@@ -1,7 +1,8 @@
 """The one layout of what a step all-reduces, shared by real runs and the simulator.
 
 A step all-reduces its gradients ``* n_i/N`` in buckets (summed over the quorum: the global-batch
-mean gradient), then a small tail ``[coverage | loss * n_i/N]``: the coverage vector (global-batch
+mean gradient), the last of which carries a small tail ``[coverage | loss * n_i/N]`` after its
+gradients (in its own buffer only when that bucket's dtype cannot hold it): the coverage vector (global-batch
 position -> sample index + 1, each member filling only its own slice, so the sum equals the batch
 exactly when every sample was used once) and the global-batch mean loss. A local-sgd merge's buffer is
 ``[params * w_i | w_i | loss * w_i]``: the weighted average of parameters. Both are numpy views
