@@ -191,6 +191,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--duration-s", type=float, default=15.0)
     ap.add_argument("--load", type=float, default=0.7)
+    ap.add_argument("--replicas", type=int, default=4, help="slow-replica case: replicas in rotation (one of them slow)")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--only", default="slow,failover,overhead,batching,rollout")
     ap.add_argument("--rollout-rate", type=float, default=20.0, help="req/s for the rollout case")
@@ -216,7 +217,8 @@ def _run_sections(args: argparse.Namespace, token_file: Path) -> int:
     if "simtail" in only:
         all_["sim_tail"] = sim_tail()
     if "slow" in only:
-        all_["slow_replica"] = slow_replica(token_file, args.duration_s, args.load, args.max_tokens)
+        all_["slow_replica"] = slow_replica(token_file, args.duration_s, args.load, args.max_tokens,
+                                            replicas=args.replicas)
     if "failover" in only:
         all_["failover"] = failover(token_file, max(args.duration_s, 10.0), args.max_tokens)
     if "overhead" in only:

@@ -28,7 +28,7 @@ SLOW_CASES = [("healthy", "p2c-latency", False, []), ("round-robin, no ejection"
                                                      ["--outlier-ratio", "0"]),
               ("round-robin", "round-robin", False, []), ("p2c-queue", "p2c-queue", False, []),
               ("p2c-latency", "p2c-latency", False, []), ("p2c-latency+hedge", "p2c-latency", True, [])]
-FAILOVER_CASE = "SIGKILL 1 of 4 (p2c-latency, 50 % load)"
+FAILOVER_CASE = "SIGKILL of r1 (p2c-latency, 50 % load)"
 WARMUP_SEED = 99
 
 def service_times_s(url: str, token: bytes | None, max_tokens: int, n: int = 20) -> list[float]:
@@ -67,8 +67,9 @@ def metric_value(url: str, name: str) -> float:
 
 
 def slow_replica(token_file: Path, duration_s: float, load: float, max_tokens: int, warmup_s: float = 3.0,
-                 target_service_s: float = 0.25, failover_load: float = 0.5) -> dict[str, Any]:
-    """Every policy on the same 5 replica processes (r3 10x slow, r4 its healthy stand-in), one router per case,
+                 target_service_s: float = 0.25, failover_load: float = 0.5, replicas: int = 4) -> dict[str, Any]:
+    """Every policy on the same ``replicas`` + 1 replica processes (the last but one 10x slow, the last its
+    healthy stand-in; with 4: r3 and r4), one router per case,
     the same seeded Poisson schedule per case after a warm-up; then a SIGKILL of r1 under a healthy set. The
     simulator replays each case on the same schedule with a service model calibrated from this run (below)."""
     token = read_token_file(token_file)
@@ -76,36 +77,38 @@ def slow_replica(token_file: Path, duration_s: float, load: float, max_tokens: i
     # router share 2 cores); r3's steps 10x that. (Scaling each step's own wall time instead, as before, multiplied
     # every scheduling delay of a busy box by the factor: service times drifted 2.5x between calibration and run.)
     pace_s = target_service_s / max_tokens
-    reps = spawn_replicas(5, MODEL_ARGS + ["--batch-size-max", "1", "--queue-depth-max", "10000",
+    n = replicas
+    slow_id, stand_in = f"r{n - 1}", f"r{n}"
+    reps = spawn_replicas(n + 1, MODEL_ARGS + ["--batch-size-max", "1", "--queue-depth-max", "10000",
                                            "--min-step-s", f"{pace_s:.4f}"], token_file,
-                          {3: ["--slowdown-factor", "10"]})
+                          {n - 1: ["--slowdown-factor", "10"]})
     results: dict[str, Any] = {}
     calib: dict[str, Any] = {}
     try:
         urls = {r.replica_id: r.url for r in reps}
-        for rid in ("r1", "r2", "r4"):  # the first requests of a fresh process are slow (allocations, lazy init)
+        for rid in sorted(set(urls) - {"r0", slow_id}):  # the first requests of a fresh process are slow (allocations, lazy init)
             service_times_s(urls[rid], token, max_tokens, 5)
         service_times_s(urls["r0"], token, max_tokens, 5)
         samples = service_times_s(urls["r0"], token, max_tokens, 40)
         service_s = sum(samples) / len(samples)
-        slow = service_times_s(urls["r3"], token, max_tokens, 3)
+        slow = service_times_s(urls[slow_id], token, max_tokens, 3)
         calib = {"service_samples_s": samples, "slow_factor": sorted(slow)[1] / sorted(samples)[len(samples) // 2]}
-        rate = load * 4 / service_s
+        rate = load * n / service_s
         print(f"[slow replica] one request: {service_s * 1000:.1f} ms served ({pace_s * 1000:.1f} ms a step; the slow "
               f"one {calib['slow_factor']:.1f}x) -> load {rate:.1f} req/s", flush=True)
         for name, policy, hedging, extra in SLOW_CASES:
-            chosen = {k: v for k, v in urls.items() if k != ("r3" if name == "healthy" else "r4")}
+            chosen = {k: v for k, v in urls.items() if k != (slow_id if name == "healthy" else stand_in)}
             results[name] = _slow_case(chosen, token_file, policy, hedging, extra, rate, duration_s, warmup_s,
                                        max_tokens)
             _wait_idle(list(urls.values()), token)
-        healthy = {k: v for k, v in urls.items() if k != "r3"}
+        healthy = {k: v for k, v in urls.items() if k != slow_id}
         calib["router_hop_s"] = _router_hop_s(healthy, token_file, token)
         results[FAILOVER_CASE] = _slow_case(healthy, token_file, "p2c-latency", False, [], rate * failover_load / load,
                                             duration_s, warmup_s, max_tokens, kill=reps[1])
     finally:
         stop_replicas(reps)
     out = {"service_time_s": service_s, "step_pace_s": pace_s, "rate_per_s": rate, "warmup_s": warmup_s,
-           "duration_s": duration_s, "calibration": calib, "results": results}
+           "duration_s": duration_s, "replicas": n, "calibration": calib, "results": results}
     out["simulated"], out["calibration"]["load_scale"] = simulated_slow_replica(out)
     out["oracle"] = oracle_bound(out)
     return out
@@ -165,14 +168,14 @@ def _sim_case(bench: dict[str, Any], name: str, scale: float, seed: int = 0) -> 
     from phalanx.sim.loop import VirtualTimeLoop
 
     cal, real = bench["calibration"], bench["results"][name]
-    rate = real["spec"]["rate_per_s"]
+    rate, n = real["spec"]["rate_per_s"], bench.get("replicas", 4)
     case = {c[0]: c for c in SLOW_CASES}.get(name, (name, "p2c-latency", False, []))
     pcfg = PolicyConfig(outlier_latency_ratio=0.0) if "--outlier-ratio" in case[3] else PolicyConfig()
-    if name == FAILOVER_CASE:
+    if "kill_at_s" in real:  # the failover case
         faults = [ServingFault("kill", 1, real["kill_at_s"], None, 1.0, 0)]
     else:
-        faults = [] if name == "healthy" else [ServingFault("straggler", 3, 0.0, None, cal["slow_factor"], 0)]
-    cfg = SimServeConfig(replicas=4, rate_per_s=rate, duration_s=bench["duration_s"], slots=1,
+        faults = [] if name == "healthy" else [ServingFault("straggler", n - 1, 0.0, None, cal["slow_factor"], 0)]
+    cfg = SimServeConfig(replicas=n, rate_per_s=rate, duration_s=bench["duration_s"], slots=1,
                          policy=Policy(case[1]), hedging=case[2], seed=seed, policy_config=pcfg,
                          arrivals_s=tuple(poisson_arrivals_s(rate, bench["duration_s"], 0)),
                          warmup_arrivals_s=tuple(poisson_arrivals_s(rate, bench["warmup_s"], WARMUP_SEED)),
@@ -238,11 +241,12 @@ def oracle_bound(bench: dict[str, Any], seed: int = 0) -> dict[str, Any]:
 
     cal, scale = bench["calibration"], bench["calibration"]["load_scale"]
     rate, out = bench["results"]["healthy"]["spec"]["rate_per_s"], {}
-    for name, factors in (("healthy", [1.0] * 4), ("one 10x slow", [1.0, 1.0, 1.0, cal["slow_factor"]])):
-        rng, free, lat = random.Random(seed), [0.0] * 4, []
+    n = bench.get("replicas", 4)
+    for name, factors in (("healthy", [1.0] * n), ("one 10x slow", [1.0] * (n - 1) + [cal["slow_factor"]])):
+        rng, free, lat = random.Random(seed), [0.0] * n, []
         for t in poisson_arrivals_s(rate, bench["duration_s"], 0):
             base = scale * rng.choice(cal["service_samples_s"])
-            k = min(range(4), key=lambda j: max(free[j], t) + base * factors[j])
+            k = min(range(n), key=lambda j: max(free[j], t) + base * factors[j])
             free[k] = max(free[k], t) + base * factors[k]
             lat.append(free[k] - t)
         out[name] = {"p50": quantile(lat, 0.5), "p99": quantile(lat, 0.99), "n": len(lat)}
@@ -325,7 +329,7 @@ def slow_report(s: dict[str, Any]) -> list[str]:
     res, sims = s["results"], s.get("simulated", {})
     base = res["healthy"]["latency_s"]["p99"]
     cal = s["calibration"]
-    lines = [f"Slow replica: 4 replicas x 1 request at a time, one {cal['slow_factor']:.1f}x slow, Poisson "
+    lines = [f"Slow replica: {s.get('replicas', 4)} replicas x 1 request at a time, one {cal['slow_factor']:.1f}x slow, Poisson "
              f"{s['rate_per_s']:.1f} req/s (70 % of capacity; one request alone {1000 * s['service_time_s']:.0f} ms), "
              f"{s['duration_s']:g} s measured after {s['warmup_s']:g} s of warm-up; simulator calibrated with "
              f"service x {cal.get('load_scale', 1.0):.2f} (fitted on the healthy p50)", "",
@@ -348,8 +352,9 @@ def slow_report(s: dict[str, Any]) -> list[str]:
         lines += ["", f"Floor (a dispatcher that knows every service time, same schedule and service model): healthy "
                       f"p99 {o['healthy']['p99']:.3f} s, one slow {o['one 10x slow']['p99']:.3f} s = "
                       f"{o['one 10x slow']['p99'] / o['healthy']['p99']:.2f}x healthy"]
-    if FAILOVER_CASE in res and FAILOVER_CASE in sims:
-        r, sm = res[FAILOVER_CASE], sims[FAILOVER_CASE]
+    fo = next((k for k, r in res.items() if "kill_at_s" in r), None)
+    if fo is not None and fo in sims:
+        r, sm = res[fo], sims[fo]
         k = r["kill_at_s"]
 
         def after(d: dict[str, Any]) -> list[float]:
