@@ -61,8 +61,8 @@ class WorkerAgent(Healing):
         self._phase_mark: tuple[int, int, str, float] | None = None  # (step, quorum id, phase, entered at)
         self._decision_due_s: dict[tuple[int, int], float] = {}  # (step, quorum id) -> give up waiting then
         self._members: tuple[int, tuple[str, ...]] = (-1, ())  # the last member list received, with its quorum id
-        self._racing: dict[asyncio.Future[Any], int] = {}  # work that a broken quorum interrupts -> its id
-        self._interrupted: dict[asyncio.Future[Any], Exception] = {}
+        self._racing: dict[asyncio.Task[Any], int] = {}  # tasks awaiting work a broken quorum interrupts -> its id
+        self._interrupted: dict[asyncio.Task[Any], Exception] = {}
         self.heal_address = ""
 
     # ---- connection ----
@@ -120,14 +120,19 @@ class WorkerAgent(Healing):
             raise CoordinatorLost(f"lost the coordinator: {e}") from e
 
     async def _heartbeats(self) -> None:
-        """Any message is a sign of life to the coordinator: a heartbeat goes out only when nothing
-        else did for half an interval (so it hears from us at least every 1.5 intervals)."""
+        """Any message is a sign of life to the coordinator: a wakeup sends a heartbeat only when
+        nothing else went out since the previous wakeup (so it hears from us at least every 2
+        intervals; the timeout is 6). A worker that reports a step at least once an interval sends
+        none."""
         seq = 0
+        prev_wake_s = float("-inf")
         while not self.shutdown_reason or self._decision_due_s:  # a decision still awaited keeps its deadline
             interval_s = self.welcome.heartbeat_interval_s if self.welcome else 0.1
             now = self.host.now()
             self._expire_decisions(now)
-            if self.connected and now - self._last_sent_s >= interval_s / 2:
+            quiet = self._last_sent_s <= prev_wake_s  # nothing sent since the previous wakeup
+            prev_wake_s = now
+            if self.connected and quiet:
                 seq += 1
                 mark, self._phase_mark = self._phase_mark, None
                 # a phase still under way (a long all-reduce): its progress mark is the sign of life
@@ -285,7 +290,7 @@ class WorkerAgent(Healing):
         self._decisions[key] = asyncio.get_running_loop().create_future()
         t0 = self.host.now()
         ok, error = True, ""
-        # the progress watch's mark goes out only if this phase outlasts half a heartbeat interval
+        # the progress watch's mark goes out only if this phase spans a quiet heartbeat interval
         # (in place of the heartbeat, see _heartbeats): a fault-free step sends none
         self._phase_mark = (a.step, a.quorum_id, "allreduce", t0)
         try:
@@ -325,27 +330,30 @@ class WorkerAgent(Healing):
     async def _race_broken(self, a: Assignment, coro: Any) -> Any:
         """Run ``coro`` unless the coordinator declares this quorum broken (or is lost) first.
 
-        One task that ``_interrupt`` cancels (not three raced in an ``asyncio.wait``: this runs for
-        every member on every step). A cancellation from outside (a simulated crash) propagates.
+        ``coro`` runs in the calling task, which ``_interrupt`` cancels, as ``asyncio.timeout``
+        does: no task per call (this runs for every member on every step). The loop is single
+        threaded, so an interrupt can only land while the task is suspended inside ``coro``; its
+        CancelledError surfaces there and becomes ``why``. A cancellation from outside too (a
+        simulated crash) propagates as a cancellation.
         """
-        work = asyncio.ensure_future(coro)
         if self._lost.is_set() or self._broken_event(a.quorum_id).is_set():
-            work.cancel()
+            coro.close()
             if self._lost.is_set():
                 raise CoordinatorLost("lost the coordinator during the step")
             raise QuorumBroken(f"quorum {a.quorum_id} was broken by the coordinator")
-        self._racing[work] = a.quorum_id
+        me = asyncio.current_task()
+        assert me is not None and me not in self._racing, "one race at a time per task"
+        self._racing[me] = a.quorum_id
         try:
-            return await work
+            return await coro
         except asyncio.CancelledError:
-            why = self._interrupted.pop(work, None)
-            me = asyncio.current_task()
-            if why is None or (me is not None and me.cancelling()):
+            why = self._interrupted.pop(me, None)
+            if why is None or me.uncancel() > 0:  # not ours, or cancelled from outside as well
                 raise
             raise why from None
         finally:
-            self._racing.pop(work, None)
-            self._interrupted.pop(work, None)
+            self._racing.pop(me, None)
+            self._interrupted.pop(me, None)
 
     def _interrupt(self, quorum_id: int | None, why: Exception) -> None:
         """Cancel the racing work of ``quorum_id`` (None: all of it), which then raises ``why``."""
