@@ -9,9 +9,9 @@ import pytest
 
 from phalanx.core.errors import ConfigError
 from phalanx.serve.cluster import router_config
-from phalanx.serve.routing_policy import (HedgeRule, Policy, PolicyConfig, ReplicaStats, RollingLatency, after_failure,
-                                          choose_replica, hedge_delay_s, hedge_target, latency_outliers, may_hedge,
-                                          may_retry)
+from phalanx.serve.routing_policy import (HedgeRule, HeldRequest, Policy, PolicyConfig, ReplicaStats, RollingLatency,
+                                          after_failure, choose_replica, hedge_delay_s, hedge_target, held_to_move,
+                                          latency_outliers, may_hedge, may_retry)
 
 
 def fleet(*specs: tuple[str, int, float]) -> list[ReplicaStats]:
@@ -149,3 +149,47 @@ def test_p2c_latency_with_more_choices_draws_that_many_and_keeps_the_cheapest():
     reps = fleet(("r0", 3, 0.1), ("r1", 0, 0.1), ("r2", 3, 0.1), ("r3", 3, 0.1))
     cfg = PolicyConfig(p2c_choices=4)
     assert {choose_replica(0.0, reps, cfg, random.Random(s), 0)[0].replica_id for s in range(20)} == {"r1"}
+
+
+def ejected_fleet(now: float = 10.0) -> list[ReplicaStats]:
+    """r3 (5 s a request) was just ejected holding 4 requests (the oldest running for 4.5 s); r0-r2 take 0.5 s,
+    r0 idle, r1 and r2 with 2 each."""
+    reps = fleet(("r0", 0, 0.5), ("r1", 2, 0.5), ("r2", 2, 0.5), ("r3", 4, 5.0))
+    reps[3].ejected_until_s = now + 2.0
+    return reps
+
+
+HELD = [HeldRequest(1, 5.5), HeldRequest(2, 7.0), HeldRequest(3, 8.0), HeldRequest(4, 9.5)]
+
+
+def test_an_ejected_replica_moves_the_requests_queued_behind_it_where_they_finish_sooner():
+    reps = ejected_fleet()
+    moves = held_to_move(10.0, reps[3], HELD, reps, PolicyConfig(), active=12)
+    # from the back: #4 owes 4 x 5 - 0.5 = 19.5 s, #3 13 s, #2 7 s; r0 takes them at 0.5, 1.0, 1.5 s, then
+    # r1/r2 (1.5 s each); #1 is running and owes 0.5 s: cheaper to let it finish than to start again anywhere
+    assert [k for k, _ in moves] == [4, 3, 2], moves
+    assert all("r3" in why for _, why in moves)
+
+
+@pytest.mark.parametrize("cfg, held, active, expect", [
+    (PolicyConfig(ejection_moves=False), HELD, 12, []),  # the switch (the benchmark's "no moves" case)
+    (PolicyConfig(move_budget_min=1, move_budget_ratio=0.1), HELD, 12, [4]),  # budget max(1, 0.1 x 12) = 1
+    (PolicyConfig(move_budget_min=2, move_budget_ratio=0.1), HELD, 12, [4, 3]),
+    (PolicyConfig(), [HeldRequest(k, t, moved_before=True) for k, t in ((1, 5.5), (2, 7.0), (3, 8.0), (4, 9.5))],
+     12, []),  # a request moves at most once
+    (PolicyConfig(), [HeldRequest(1, 5.5), HeldRequest(4, 9.5, moved_before=True)], 12, []),  # #1 is nearly done
+    (PolicyConfig(), [], 12, []),
+])
+def test_moves_are_bounded_by_the_switch_the_budget_and_once_per_request(cfg, held, active, expect):
+    reps = ejected_fleet()
+    assert [k for k, _ in held_to_move(10.0, reps[3], held, reps, cfg, active)] == expect
+
+
+def test_no_move_when_every_other_replica_would_finish_later_or_none_is_left():
+    reps = ejected_fleet()
+    for r in reps[:3]:
+        r.outstanding = 40  # 20.5 s expected anywhere else: the queue on r3 is the shorter wait
+    assert held_to_move(10.0, reps[3], HELD, reps, PolicyConfig(), active=130) == []
+    for r in reps[:3]:
+        r.healthy = False
+    assert held_to_move(10.0, reps[3], HELD, reps, PolicyConfig(), active=12) == []

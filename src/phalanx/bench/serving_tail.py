@@ -26,6 +26,7 @@ MODEL_ARGS = ["--random-weights", "0"]  # untrained weights of the bundled model
 # a slow replica passes (passive outlier ejection off)
 SLOW_CASES = [("healthy", "p2c-latency", False, []), ("round-robin, no ejection", "round-robin", False,
                                                      ["--outlier-ratio", "0"]),
+              ("round-robin, no moves", "round-robin", False, ["--no-ejection-moves"]),
               ("round-robin", "round-robin", False, []), ("p2c-queue", "p2c-queue", False, []),
               ("p2c-latency", "p2c-latency", False, []), ("p2c-latency+hedge", "p2c-latency", True, [])]
 FAILOVER_CASE = "SIGKILL of r1 (p2c-latency, 50 % load)"
@@ -121,6 +122,7 @@ def _slow_case(chosen: dict[str, str], token_file: Path, policy: str, hedging: b
         asyncio.run(run_load(LoadSpec(url=router.url, duration_s=warmup_s, rate_per_s=rate, max_tokens=max_tokens,
                                       timeout_s=60, seed=WARMUP_SEED)))
         hedges0 = metric_value(router.url, "phalanx_router_hedges_total")
+        moves0 = metric_value(router.url, "phalanx_router_moves_total")
         spec = LoadSpec(url=router.url, duration_s=duration_s, rate_per_s=rate, max_tokens=max_tokens, timeout_s=60)
 
         async def measured() -> Any:
@@ -133,13 +135,14 @@ def _slow_case(chosen: dict[str, str], token_file: Path, policy: str, hedging: b
         res = asyncio.run(measured())
         r = summarize(LoadSpec(url=router.url, rate_per_s=rate), res)
         r["hedges"] = metric_value(router.url, "phalanx_router_hedges_total") - hedges0
+        r["moves"] = metric_value(router.url, "phalanx_router_moves_total") - moves0
         r["latencies_s"], r["starts_s"] = res.latencies_s, res.starts_s
         if kill is not None:
             r["kill_at_s"] = duration_s / 2
     finally:
         router.stop()
     lat = r["latency_s"]
-    print(f"  {policy + (' + hedge' if hedging else ''):20s} ok {r['ok']:5d} err {r['errors']:3d} p50 {lat['p50']:.3f} "
+    print(f"  {policy + ('+hedge' if hedging else ''):20s} ok {r['ok']:5d} err {r['errors']:3d} p50 {lat['p50']:.3f} "
           f"p99 {lat['p99']:.3f} p99.9 {lat['p99.9']:.3f} (load average {os.getloadavg()[0]:.1f})", flush=True)
     r["loadavg"] = os.getloadavg()[0]
     return r
@@ -170,7 +173,8 @@ def _sim_case(bench: dict[str, Any], name: str, scale: float, seed: int = 0) -> 
     cal, real = bench["calibration"], bench["results"][name]
     rate, n = real["spec"]["rate_per_s"], bench.get("replicas", 4)
     case = {c[0]: c for c in SLOW_CASES}.get(name, (name, "p2c-latency", False, []))
-    pcfg = PolicyConfig(outlier_latency_ratio=0.0) if "--outlier-ratio" in case[3] else PolicyConfig()
+    pcfg = PolicyConfig(outlier_latency_ratio=0.0 if "--outlier-ratio" in case[3] else PolicyConfig.outlier_latency_ratio,
+                        ejection_moves="--no-ejection-moves" not in case[3])
     if "kill_at_s" in real:  # the failover case
         faults = [ServingFault("kill", 1, real["kill_at_s"], None, 1.0, 0)]
     else:
@@ -201,6 +205,7 @@ def _sim_seeds(bench: dict[str, Any], name: str, scale: float, seeds: int = 5) -
     out = dict(runs[0])  # seed 0's own latencies, starts and counts
     out["latency_s"] = {q: statistics.median(r["latency_s"][q] for r in runs) for q in ("p50", "p99", "p99.9")}
     out["hedges"] = statistics.median(r["hedges"] for r in runs)
+    out["moves"] = statistics.median(r.get("moves", 0) for r in runs)
     out["seeds"] = seeds
     return out
 
@@ -333,13 +338,14 @@ def slow_report(s: dict[str, Any]) -> list[str]:
              f"{s['rate_per_s']:.1f} req/s (70 % of capacity; one request alone {1000 * s['service_time_s']:.0f} ms), "
              f"{s['duration_s']:g} s measured after {s['warmup_s']:g} s of warm-up; simulator calibrated with "
              f"service x {cal.get('load_scale', 1.0):.2f} (fitted on the healthy p50)", "",
-             "| case | n | failed | p50 s | p99 s | p99.9 s | p99 / healthy | hedges (extra) | sim p50 s | sim p99 s "
-             "| p50 sim/real | p99 sim/real | uncalibrated p50, p99 sim/real | load avg |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | n | failed | p50 s | p99 s | p99.9 s | p99 / healthy | hedges (extra) | moves (sim) | sim p50 s "
+             "| sim p99 s | p50 sim/real | p99 sim/real | uncalibrated p50, p99 sim/real | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, r in res.items():
         lat = r["latency_s"]
         row = (f"| {n} | {r['ok']} | {r['errors']} | {lat['p50']:.3f} | {lat['p99']:.3f} | {lat['p99.9']:.3f} | "
-               f"{lat['p99'] / base:.2f}x | {r.get('hedges', 0):.0f} ({100 * r.get('hedges', 0) / max(r['ok'], 1):.1f} %) |")
+               f"{lat['p99'] / base:.2f}x | {r.get('hedges', 0):.0f} ({100 * r.get('hedges', 0) / max(r['ok'], 1):.1f} %) | "
+               f"{r.get('moves', 0):.0f} ({sims.get(n, {}).get('moves', '-')}) |")
         if n in sims:
             sl = sims[n]["latency_s"]
             ul = sims[n]["uncalibrated"]["latency_s"]

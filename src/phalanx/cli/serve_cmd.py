@@ -83,12 +83,16 @@ def _loadtest(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
+    from phalanx.serve.routing_policy import POLICY_NAMES, policy_help
+
     s = sub.add_parser("serve", help="serve the trained model: N replicas behind a fault-tolerant router (loopback)")
     s.add_argument("--replicas", type=int, default=4)
     s.add_argument("--checkpoint", default=None, help="run directory or checkpoint (default: latest runs/train-*)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--policy", default="p2c-latency", choices=["p2c-latency", "p2c-queue", "round-robin"])
-    s.add_argument("--hedging", action="store_true", help="send a second copy after the rolling p95 (10 %% budget)")
+    s.add_argument("--policy", default="p2c-latency", choices=list(POLICY_NAMES),
+                   help=policy_help(" (default p2c-latency)"))
+    s.add_argument("--hedging", action="store_true", help="add hedging to --policy: a second copy after the rolling "
+                   "p95 (10 %% budget); p2c-latency --hedging is p2c-latency+hedge")
     s.add_argument("--fault-plan", default=None, help="serving fault plan (TOML): kill, freeze, hang, straggler, "
                    "latency, loss, partition of replica 'worker = i' at 'at_s'")
     s.add_argument("--api-key", default=os.environ.get("PHALANX_API_KEY"),
@@ -183,17 +187,16 @@ def _sim_serve(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from phalanx.serve.routing_policy import Policy
+    from phalanx.serve.routing_policy import POLICY_NAMES, Policy, parse_policy
     from phalanx.serve.serving_faults import load_serving_faults
-    from phalanx.serve.sim_serve import POLICY_CASES, SimServeConfig, simulate
+    from phalanx.serve.sim_serve import SimServeConfig, simulate
     from phalanx.sim.loop import VirtualTimeLoop
 
     faults = load_serving_faults(args.fault_plan, args.replicas) if args.fault_plan else []
     service_s = args.service_ms / 1000
     rate = args.rate if args.rate else 0.7 * args.replicas * args.slots / service_s
     cases = [("healthy", Policy.P2C_LATENCY, False, [])] + [
-        (p.value + ("+hedge" if h else ""), p, h, faults) for p, h in POLICY_CASES
-        if args.policy == "all" or args.policy == p.value + ("+hedge" if h else "")]
+        (name, *parse_policy(name), faults) for name in POLICY_NAMES if args.policy in ("all", name)]
     console = Console()
     console.print(f"phalanx sim serve: {args.replicas} replicas x {args.slots} slot(s), {service_s * 1000:g} ms per "
                   f"request, Poisson {rate:.1f} req/s for {args.duration_s:g} virtual s, {len(faults)} fault(s), "
@@ -228,6 +231,8 @@ def _sim_serve(args: argparse.Namespace) -> int:
 
 
 def register_sim_serve(ssub: Any) -> None:
+    from phalanx.serve.routing_policy import POLICY_NAMES, policy_help
+
     s = ssub.add_parser("serve", help="the router's policies at scale in virtual time (same seed, same result)")
     s.add_argument("--replicas", type=int, default=64)
     s.add_argument("--rate", type=float, default=None, help="Poisson req/s (default 70 %% of healthy capacity)")
@@ -236,7 +241,7 @@ def register_sim_serve(ssub: Any) -> None:
     s.add_argument("--slots", type=int, default=1, help="requests a replica serves at once")
     s.add_argument("--fault-plan", default=None, help="serving fault plan (TOML), as `phalanx serve` takes")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--policy", default="all", choices=["all", "round-robin", "p2c-queue", "p2c-latency",
-                                                       "p2c-latency+hedge"])
+    s.add_argument("--policy", default="all", choices=["all", *POLICY_NAMES],
+                   help=policy_help("; all: each of them side by side (the default)"))
     s.add_argument("--out", default=None, help="run folder (default runs/sim-serve-TIMESTAMP)")
     s.set_defaults(fn=_sim_serve)

@@ -183,15 +183,22 @@ def bind_loopback(port: int, host: str = "127.0.0.1") -> socket.socket:
 
 
 def router_config(policy: str, hedging: bool, active_requests_max: int = 256,
-                  consistency: str = "consistent", outlier_ratio: float | None = None) -> RouterConfig:
-    from phalanx.serve.routing_policy import Policy, PolicyConfig
+                  consistency: str = "consistent", outlier_ratio: float | None = None,
+                  ejection_moves: bool = True) -> RouterConfig:
+    from phalanx.serve.routing_policy import PolicyConfig, parse_policy
     from phalanx.serve.versions import Consistency
 
-    pc = PolicyConfig(policy=Policy(policy))
+    try:
+        choice, hedge = parse_policy(policy)  # "p2c-latency+hedge" is p2c-latency with hedging
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    hedging = hedging or hedge
+    pc = PolicyConfig(policy=choice)
     if outlier_ratio is not None:
         if not outlier_ratio >= 0:  # NaN too
             raise ConfigError(f"--outlier-ratio must be >= 0 (0 turns passive ejection off), got {outlier_ratio}")
         pc = dataclasses.replace(pc, outlier_latency_ratio=outlier_ratio)
+    pc = dataclasses.replace(pc, ejection_moves=ejection_moves)
     return RouterConfig(policy=pc, hedging=hedging,
                         active_requests_max=active_requests_max, consistency=Consistency(consistency))
 

@@ -10,6 +10,7 @@ requests with retries and hedging. Streams and their resumption are in ``stream_
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -23,9 +24,10 @@ from phalanx.membership.failure_detector import DetectorConfig, Liveness, heartb
 from phalanx.serve.replica_app import LATENCY_BUCKETS_S
 from phalanx.serve.replica_client import ReplicaConnections
 from phalanx.serve.request_auth import ClusterTokenAuth
-from phalanx.serve.routing_policy import (PolicyConfig, ReplicaStats, RollingLatency, after_failure, backoff_s,
-                                          choose_replica, hedge_delay_s, hedge_target, latency_outliers, may_hedge,
-                                          may_retry)
+from phalanx.serve.routing_policy import (HeldRequest, PolicyConfig, ReplicaStats, RequestSizes, RollingLatency,
+                                          after_failure,
+                                          backoff_s, choose_replica, hedge_delay_s, hedge_target, held_to_move,
+                                          latency_outliers, may_hedge, may_retry)
 from phalanx.serve.versions import Consistency, ReplicaVersion, SessionVersions, VersionBook, excluded_for
 
 VERSION_HEADER = "x-phalanx-model-version"
@@ -63,16 +65,21 @@ class ReplicaState:
     step_time_s: float = 0.0
     version: str = ""  # the weights it serves (its /health, or the answer to a rollout's load)
     admitting: bool = True  # False while a rollout drains and reloads it
+    held: dict[int, tuple[float, bool]] = field(default_factory=dict)  # attempts with no output yet: key -> (start,
+    # moved before); an ejection decides which of them move (routing_policy.held_to_move) ...
+    move_keys: set[int] = field(default_factory=set)  # ... and marks them here; their attempt cancels itself
     conns: ReplicaConnections = field(init=False)  # unary calls (streams and polls use the httpx client)
 
 
 class AttemptFailed(Exception):
     """One try at one replica failed in a way that is safe to retry elsewhere (nothing sent to the client).
-    ``replica_gone``: the replica died or is draining (its requests move without adding load)."""
+    ``replica_gone``: the replica died or is draining (its requests move without adding load); ``moved``: its
+    replica was ejected and the request moves off it (it will not move again)."""
 
-    def __init__(self, message: str, replica_gone: bool = False) -> None:
+    def __init__(self, message: str, replica_gone: bool = False, moved: bool = False) -> None:
         super().__init__(message)
-        self.replica_gone = replica_gone
+        self.replica_gone = replica_gone or moved
+        self.moved = moved
 
 
 class VersionHeldBack(AttemptFailed):
@@ -95,6 +102,8 @@ class RouterMetrics:
         self.resumptions = Counter("phalanx_router_stream_resumptions", "streams resumed on another replica",
                                    registry=r)
         self.ejections = Counter("phalanx_router_ejections", "replicas ejected", ["replica", "why"], registry=r)
+        self.moves = Counter("phalanx_router_moves", "requests moved off an ejected replica before any output",
+                             ["replica"], registry=r)
         self.rejected = Counter("phalanx_router_rejected", "429s from admission control", registry=r)
         self.outstanding = Gauge("phalanx_router_outstanding", "requests in flight", ["replica"], registry=r)
         self.healthy = Gauge("phalanx_router_replica_healthy", "1 when in rotation", ["replica"], registry=r)
@@ -118,7 +127,10 @@ class Router:
         self.retries_in_flight = 0
         self.requests_total = 0
         self.hedges_total = 0
+        self.moves_total = 0
+        self._keys = itertools.count()
         self.history = RollingLatency()
+        self.sizes = RequestSizes()  # the EWMA learns each answer's time per typical-size request
         self.metrics = RouterMetrics()
         self.events: list[dict[str, Any]] = []  # membership changes with reasons (bounded)
         self.book = VersionBook()
@@ -192,8 +204,29 @@ class Router:
             self.metrics.version_rank.labels(rid).set(self.book.rank(r.version))
         for s, why in latency_outliers(now, self.stats(), self.cfg.policy):
             s.ejected_until_s = now + self.cfg.policy.ejection_s
-            self.metrics.ejections.labels(s.replica_id, "latency").inc()
-            self.record_event(replica=s.replica_id, ejected=True, reason=why)
+            self._ejected(self.replicas[s.replica_id], "latency", why, now)
+
+    def _ejected(self, r: ReplicaState, kind: str, why: str, now: float) -> None:
+        """An ejected replica's requests without output move now, as far as ``held_to_move`` allows (else they
+        would wait out its backlog): marked here, each attempt sees its mark within 50 ms and moves."""
+        self.metrics.ejections.labels(r.stats.replica_id, kind).inc()
+        self.record_event(replica=r.stats.replica_id, ejected=True, reason=why)
+        held = [HeldRequest(k, t, moved) for k, (t, moved) in r.held.items()]
+        for key, reason in held_to_move(now, r.stats, held, self.stats(), self.cfg.policy, self.active):
+            r.move_keys.add(key)
+            self.moves_total += 1
+            self.metrics.moves.labels(r.stats.replica_id).inc()
+            self.record_event(replica=r.stats.replica_id, moved=key, reason=reason)
+
+    def hold(self, r: ReplicaState, started_s: float, moved_before: bool) -> int:
+        """An attempt on ``r`` that has produced no output yet; ``release`` it once it has (or has ended)."""
+        key = next(self._keys)
+        r.held[key] = (started_s, moved_before)
+        return key
+
+    def release(self, r: ReplicaState, key: int) -> None:
+        r.held.pop(key, None)
+        r.move_keys.discard(key)
 
     def _suspect_now(self, r: ReplicaState, reason: str) -> None:
         """A request saw the replica refuse connections: out of rotation at once, not at the next poll."""
@@ -262,8 +295,7 @@ class Router:
         self.record_event(replica=r.stats.replica_id, failed=f"{type(e).__name__}: {e}"[:200])
         ejected, why = after_failure(time.monotonic(), r.stats, self.cfg.policy)
         if ejected:
-            self.metrics.ejections.labels(r.stats.replica_id, "failures").inc()
-            self.record_event(replica=r.stats.replica_id, ejected=True, reason=why)
+            self._ejected(r, "failures", why, time.monotonic())
 
     # --- unary ---------------------------------------------------------------------------------
     async def _attempt(self, r: ReplicaState, path: str, body: bytes) -> tuple[int, Any, str]:
@@ -289,13 +321,16 @@ class Router:
             draining = isinstance(payload, dict) and (payload.get("error") or {}).get("code") == "draining"
             raise AttemptFailed(f"{r.stats.replica_id}: HTTP {resp.status}", draining)
         if resp.status == 200:
-            r.stats.observe(time.monotonic() - t0, self.cfg.policy.ewma_alpha, ahead)
+            usage = payload.get("usage")
+            tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+            r.stats.observe(time.monotonic() - t0, self.cfg.policy.ewma_alpha, ahead,
+                            self.sizes.size(tokens if isinstance(tokens, int) else None))
             return 200, resp.body, resp.headers.get(VERSION_HEADER, r.version)
         return resp.status, payload, resp.headers.get(VERSION_HEADER, r.version)
 
     async def unary(self, path: str, body: dict[str, Any], session: str | None = None) -> tuple[int, Any, str]:
         tried: set[str] = set()
-        last, gone = "no attempt", False
+        last, gone, moved = "no attempt", False, False
         data = json.dumps(body, separators=(",", ":")).encode()  # once, whatever the number of tries
         for attempt in range(self.cfg.attempts_max):
             if attempt:
@@ -318,24 +353,25 @@ class Router:
                 self.retries_in_flight += 1
                 self.metrics.retries.labels(r.stats.replica_id).inc()
             try:
-                status, payload, version = await self._hedged(r, path, data, tried, session)
+                status, payload, version = await self._hedged(r, path, data, tried, session, moved)
                 if status == 200:
                     self.observe_version(session, version)
                 return status, payload, version
             except AttemptFailed as e:
-                last, gone = str(e), e.replica_gone
+                last, gone, moved = str(e), e.replica_gone, moved or e.moved
             finally:
                 if attempt:
                     self.retries_in_flight -= 1
         return 503, {"error": {"message": f"no replica could serve the request ({last})", "type": "server_error",
                                "param": None, "code": "replicas_unavailable"}}, ""
 
-    async def _hedged(self, r: ReplicaState, path: str, body: bytes, tried: set[str], session: str | None
-                      ) -> tuple[int, Any, str]:
+    async def _hedged(self, r: ReplicaState, path: str, body: bytes, tried: set[str], session: str | None,
+                      moved: bool = False) -> tuple[int, Any, str]:
         ahead, t0 = r.stats.outstanding, time.monotonic()
         primary = asyncio.ensure_future(self._attempt(r, path, body))
         tasks = {primary}
         owner = {primary: r}
+        keys = {primary: self.hold(r, t0, moved)}  # no output until it answers: an ejection may move it
         delay = hedge_delay_s(self.history, self.cfg.policy) if self.cfg.hedging else None
         try:
             if delay is not None:
@@ -353,6 +389,7 @@ class Router:
                         hedge = asyncio.ensure_future(self._attempt(other, path, body))
                         tasks.add(hedge)
                         owner[hedge] = other
+                        keys[hedge] = self.hold(other, time.monotonic(), moved)
             error: BaseException | None = None
             while tasks:  # bounded: each attempt ends by answer, error, timeout or its replica leaving rotation
                 done, tasks = await asyncio.wait(tasks, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
@@ -367,8 +404,15 @@ class Router:
                     t.cancel()
                     tasks.discard(t)
                     error = AttemptFailed(f"{owner[t].stats.replica_id} left rotation with the request in flight", True)
+                for t in [t for t in tasks if keys[t] in owner[t].move_keys]:
+                    # ejected with this request still waiting there: it moves (once), cancelled at the replica
+                    t.cancel()
+                    tasks.discard(t)
+                    error = AttemptFailed(f"{owner[t].stats.replica_id} was ejected; the request moves", moved=True)
             assert error is not None
             raise error
         finally:
             for t in tasks:
                 t.cancel()  # closes the loser's connection; its replica cancels the generation
+            for t, key in keys.items():
+                self.release(owner[t], key)

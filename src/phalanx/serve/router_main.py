@@ -21,6 +21,7 @@ from phalanx.serve.replica_main import _exit_with_parent
 from phalanx.serve.router import Router
 from phalanx.serve.rollout import follow_run
 from phalanx.serve.router_app import build_router_app
+from phalanx.serve.routing_policy import POLICY_NAMES, policy_help
 
 READY_LINE = ROUTER_READY_LINE
 
@@ -29,7 +30,8 @@ async def _serve(args: argparse.Namespace) -> None:
     urls = dict(spec.split("=", 1) for spec in args.replica)
     if not args.token_file:
         raise ConfigError("the router needs the cluster token its replicas accept: --token-file F or PHALANX_TOKEN_FILE")
-    cfg = router_config(args.policy, args.hedging, args.active_requests_max, args.consistency, args.outlier_ratio)
+    cfg = router_config(args.policy, args.hedging, args.active_requests_max, args.consistency, args.outlier_ratio,
+                        not args.no_ejection_moves)
     router = Router(urls, cfg, seed=args.seed, token=read_token_file(args.token_file))
     sock = bind_loopback(args.port, args.host)
     server = uvicorn.Server(uvicorn.Config(build_router_app(router, args.api_key or None), log_level="warning",
@@ -67,11 +69,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="during a rollout: a session never sees an older version (consistent) or any healthy replica")
     ap.add_argument("--follow", default=None, metavar="RUN_DIR", help="roll out each new checkpoint of this run")
     ap.add_argument("--follow-poll-s", type=float, default=2.0)
-    ap.add_argument("--policy", default="p2c-latency", choices=["p2c-latency", "p2c-queue", "round-robin"])
-    ap.add_argument("--hedging", action="store_true")
+    ap.add_argument("--policy", default="p2c-latency", choices=list(POLICY_NAMES),
+                    help=policy_help(" (default p2c-latency)"))
+    ap.add_argument("--hedging", action="store_true", help="add hedging to --policy (p2c-latency --hedging is "
+                    "p2c-latency+hedge)")
     ap.add_argument("--outlier-ratio", type=float, default=None,
                     help="passive ejection of a replica whose latency EWMA is this many times the others' median "
                          "(default 5; 0 turns it off)")
+    ap.add_argument("--no-ejection-moves", action="store_true",
+                    help="an ejected replica keeps the requests already waiting on it (default: those expected to "
+                         "finish sooner elsewhere move, each at most once)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--token-file", default=os.environ.get("PHALANX_TOKEN_FILE"))
     ap.add_argument("--api-key", default=os.environ.get("PHALANX_API_KEY"),

@@ -18,6 +18,33 @@ class Policy(str, Enum):
     ROUND_ROBIN = "round-robin"
 
 
+# The policies by name, one spelling for `phalanx serve --policy`, `phalanx sim serve --policy`, the router process
+# and the benchmark's cases: name -> (choice, hedging, what it does).
+POLICY_NAMES: dict[str, tuple[Policy, bool, str]] = {
+    "round-robin": (Policy.ROUND_ROBIN, False, "each healthy replica in turn"),
+    "p2c-queue": (Policy.P2C_QUEUE, False, "two random replicas, the one with fewer requests outstanding "
+                  "(what Ray Serve does)"),
+    "p2c-latency": (Policy.P2C_LATENCY, False, "two random replicas, the lower (outstanding + 1) x latency "
+                    "EWMA"),
+    "p2c-latency+hedge": (Policy.P2C_LATENCY, True, "p2c-latency, and a unary request still unanswered after the "
+                          "rolling p95 gets a second copy on a replica expected to answer first (10 % budget; the "
+                          "loser is cancelled)"),
+}
+
+
+def parse_policy(name: str) -> tuple[Policy, bool]:
+    """A policy name (``POLICY_NAMES``) -> (choice, hedging). ValueError names the known ones."""
+    if name not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+    policy, hedging, _ = POLICY_NAMES[name]
+    return policy, hedging
+
+
+def policy_help(extra: str = "") -> str:
+    """The --policy help text every command shows (escaped for argparse, which %-formats help)."""
+    return ("; ".join(f"{n}: {what}" for n, (_, _, what) in POLICY_NAMES.items()) + extra).replace("%", "%%")
+
+
 class HedgeRule(str, Enum):
     EXPECTED_FIRST = "expected-first"  # only to a replica expected to answer before the primary (hedge_target)
     ANY_AFTER_P95 = "any-after-p95"  # to the cheapest other replica, whatever its queue (the rule before session 12)
@@ -39,6 +66,11 @@ class PolicyConfig:
     outlier_min_samples: int = 10
     p2c_choices: int = 2  # candidates drawn per choice (2: power of two choices)
     hedge_rule: HedgeRule = HedgeRule.EXPECTED_FIRST
+    # an ejected replica's requests that have produced no output yet move elsewhere (held_to_move); each request
+    # moves at most once, at most max(min, ratio x active) per ejection, and only where it is expected to finish first
+    ejection_moves: bool = True
+    move_budget_ratio: float = 0.5
+    move_budget_min: int = 4
 
 
 @dataclass
@@ -54,13 +86,37 @@ class ReplicaStats:
     ejected_until_s: float = 0.0
     inflight_since_s: list[float] = field(default_factory=list)  # start times of unary attempts in flight
 
-    def observe(self, latency_s: float, alpha: float, ahead: int = 0) -> None:
+    def observe(self, latency_s: float, alpha: float, ahead: int = 0, size: float = 1.0) -> None:
         """``ahead``: requests this replica already had when the measured one was sent. The EWMA keeps the time
-        per request (latency / (ahead + 1)), so the cost (outstanding + 1) x EWMA counts the queue once."""
-        latency_s = latency_s / (ahead + 1)
+        per request (latency / (ahead + 1)), so the cost (outstanding + 1) x EWMA counts the queue once.
+        ``size``: the request's tokens over the fleet's typical tokens per request (``RequestSizes``), so a long
+        answer or stream teaches the time a typical request takes there, not its own length."""
+        latency_s = latency_s / (ahead + 1) / (size if size > 0 else 1.0)
         self.ewma_latency_s = latency_s if self.samples == 0 else (1 - alpha) * self.ewma_latency_s + alpha * latency_s
         self.samples += 1
         self.consecutive_failures = 0
+
+
+@dataclass
+class RequestSizes:
+    """The fleet's typical tokens generated per request (an EWMA over every answer, unary or streamed).
+
+    Why: the latency EWMA compares replicas (P2C, outlier ejection), so each observation must be in one unit
+    whatever the request: a whole stream of 500 tokens on a healthy replica is not slow, and neither is a
+    unary answer next to a stream's first token (what streams taught before session 13: two scales in one
+    EWMA, so a replica fed unary requests looked 5-20x slower than stream-fed ones). Each answer teaches its
+    time per request scaled to the typical size; with requests of one size this is 1 and changes nothing."""
+
+    alpha: float = 0.05
+    typical_tokens: float = 0.0
+
+    def size(self, tokens: int | None) -> float:
+        """``tokens`` relative to the typical request (1.0 while unknown), after counting it in the typical."""
+        if not tokens or tokens <= 0:
+            return 1.0
+        self.typical_tokens = (float(tokens) if self.typical_tokens == 0.0
+                               else (1 - self.alpha) * self.typical_tokens + self.alpha * tokens)
+        return tokens / self.typical_tokens
 
 
 def eligible(now: float, replicas: list[ReplicaStats], exclude: frozenset[str] = frozenset()) -> list[ReplicaStats]:
@@ -68,14 +124,14 @@ def eligible(now: float, replicas: list[ReplicaStats], exclude: frozenset[str] =
                   key=lambda r: r.replica_id)
 
 
-def _cost(r: ReplicaStats, typical_s: float, now: float) -> float:
-    """(outstanding + 1) x expected latency, where a request already in flight longer than the EWMA
+def _cost(r: ReplicaStats, typical_s: float, now: float, extra: int = 0) -> float:
+    """(outstanding + ``extra`` + 1) x expected latency, where a request already in flight longer than the EWMA
     raises the estimate at once (as Finagle's peak EWMA does): a replica that turned slow, or that was
     never measured, stops attracting requests before its first slow answer comes back."""
     expected_s = r.ewma_latency_s if r.samples else typical_s
     if r.inflight_since_s:
         expected_s = max(expected_s, now - min(r.inflight_since_s))
-    return (r.outstanding + 1) * expected_s
+    return (r.outstanding + extra + 1) * expected_s
 
 
 def choose_replica(now: float, replicas: list[ReplicaStats], cfg: PolicyConfig, rng: random.Random, rr_index: int,
@@ -128,6 +184,56 @@ def hedge_target(now: float, replicas: list[ReplicaStats], primary: ReplicaStats
     if target_s < remaining_s:
         return target, f"hedge to {target.replica_id}: {target_s:.3f} s expected < {remaining_s:.3f} s left on {primary.replica_id}"
     return None, f"no hedge: best other {target.replica_id} {target_s:.3f} s >= {remaining_s:.3f} s left on {primary.replica_id}"
+
+
+@dataclass(frozen=True)
+class HeldRequest:
+    """A request an ejected replica holds that has produced no output yet: a unary attempt, or a stream
+    before its first token. ``moved_before``: it already moved once (it will not move again)."""
+
+    key: int
+    started_s: float
+    moved_before: bool = False
+
+
+def held_to_move(now: float, ejected: ReplicaStats, held: list[HeldRequest], replicas: list[ReplicaStats],
+                 cfg: PolicyConfig, active: int) -> list[tuple[int, str]]:
+    """Which requests still waiting on a replica just ejected move elsewhere (cancelled there, sent again).
+
+    The replica serves its requests in arrival order, so the one at position i (oldest first) still owes
+    its time per request x (i + 1) less what it has waited (past that: as long again, as ``hedge_target``
+    assumes). From the back of the queue, which owes most, a request moves when the cheapest other replica,
+    counting the moves already decided, is expected to finish it sooner. Bounded so an ejection cannot turn
+    into a retry storm: each request moves at most once, at most max(``move_budget_min``,
+    ``move_budget_ratio`` x active) per ejection, and a moved request adds no work (its old attempt is
+    cancelled). A stream that has already sent tokens is not held: it keeps its slot (see docs/SERVING.md)."""
+    if not cfg.ejection_moves or not held:
+        return []
+    cands = eligible(now, replicas, frozenset({ejected.replica_id}))
+    if not cands:
+        return []
+    budget = max(cfg.move_budget_min, int(cfg.move_budget_ratio * active))
+    typical = typical_latency_s(cands + [ejected])
+    per_request_s = ejected.ewma_latency_s if ejected.samples else typical
+    extra = {r.replica_id: 0 for r in cands}
+    order = sorted(held, key=lambda h: (h.started_s, h.key))
+    moves: list[tuple[int, str]] = []
+    for pos in reversed(range(len(order))):  # bounded by the held requests and the budget
+        h = order[pos]
+        if h.moved_before:
+            continue
+        if len(moves) >= budget:
+            break
+        waited_s = now - h.started_s
+        owed_s = per_request_s * (pos + 1) - waited_s
+        remaining_s = owed_s if owed_s > 0 else waited_s
+        target = min(cands, key=lambda r: (_cost(r, typical, now, extra[r.replica_id]), r.outstanding, r.replica_id))
+        target_s = _cost(target, typical, now, extra[target.replica_id])
+        if target_s < remaining_s:
+            extra[target.replica_id] += 1
+            moves.append((h.key, f"move from {ejected.replica_id} (position {pos}): {remaining_s:.3f} s left there > "
+                                 f"{target_s:.3f} s on {target.replica_id}"))
+    return moves
 
 
 def may_retry(active: int, retries_in_flight: int, attempt: int, cfg: PolicyConfig, attempts_max: int = 3,

@@ -22,8 +22,9 @@ from typing import Any
 from phalanx.membership.failure_detector import DetectorConfig, Liveness, heartbeat_suspects
 from phalanx.serve.loadtest import quantile
 from phalanx.serve.replica_faults import RTO_MIN_S
-from phalanx.serve.routing_policy import (Policy, PolicyConfig, ReplicaStats, RollingLatency, after_failure, backoff_s,
-                                          choose_replica, hedge_delay_s, hedge_target, latency_outliers, may_hedge, may_retry)
+from phalanx.serve.routing_policy import (POLICY_NAMES, HeldRequest, Policy, PolicyConfig, ReplicaStats,
+                                          RollingLatency, after_failure, backoff_s, choose_replica, hedge_delay_s, hedge_target, held_to_move,
+                                          latency_outliers, may_hedge, may_retry)
 from phalanx.serve.serving_faults import ServingFault
 
 
@@ -60,6 +61,13 @@ class ReplicaGone(Exception):
         self.replica_gone = replica_gone
 
 
+class Moved(ReplicaGone):
+    """Its replica was ejected with this request still waiting there: it moves (as the router's AttemptFailed(moved))."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+
+
 @dataclass
 class SimReplica:
     stats: ReplicaStats
@@ -78,6 +86,8 @@ class SimReplica:
     good_polls: int = 0
     ever_healthy: bool = False
     served: int = 0  # answers it finished (a cancelled hedge loser or moved request is not one)
+    held: dict[int, tuple[float, bool, asyncio.Future[None]]] = field(default_factory=dict)  # attempts without an
+    # answer yet: key -> (start, moved before, its future at the replica); an ejection may move them
 
 
 class ServeSim:
@@ -93,6 +103,7 @@ class ServeSim:
         self.starts_s: list[float] = []  # when each answered request arrived, from the measured part's start
         self.t0_s = 0.0
         self.failed = self.retries = self.hedges = self.requests = self.active = self.retries_in_flight = 0
+        self.moves = self.keys = 0
         self.rr = 0
         self.detections: list[dict[str, Any]] = []
         self.by_id = {r.stats.replica_id: r for r in self.reps}
@@ -137,8 +148,8 @@ class ServeSim:
                 assert r.running <= self.cfg.slots  # instant must see the slot taken
                 asyncio.ensure_future(self._serve_one(r, fut))
 
-    async def _call(self, r: SimReplica) -> None:
-        """One attempt at one replica, as the router's HTTP call sees it."""
+    async def _call(self, r: SimReplica, fut: asyncio.Future[None]) -> None:
+        """One attempt at one replica, as the router's HTTP call sees it (``fut``: its answer; a move fails it)."""
         if not r.alive:
             raise ReplicaGone(True)  # connection refused at once
         await asyncio.sleep(self._net_delay_s(r))
@@ -146,8 +157,8 @@ class ServeSim:
             await asyncio.sleep(max(r.partition_until_s, r.frozen_until_s) - self.now())
         if not r.alive:
             raise ReplicaGone(True)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        r.queue.append(fut)
+        if not fut.done():  # moved already: never queued
+            r.queue.append(fut)
         r.pending.add(fut)
         try:
             self._start_next(r)
@@ -163,22 +174,39 @@ class ServeSim:
                 fut.set_exception(ReplicaGone(True))
 
     # --- the router (the same decisions as serve.router) ------------------------------------------
-    async def _attempt(self, r: SimReplica) -> None:
+    async def _attempt(self, r: SimReplica, moved: bool = False) -> None:
         ahead = r.stats.outstanding  # what it already had: the EWMA learns the time per request
         r.stats.outstanding += 1
         t0 = self.now()
         r.stats.inflight_since_s.append(t0)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.keys += 1
+        key = self.keys
+        r.held[key] = (t0, moved, fut)
         try:
-            await self._call(r)
+            await self._call(r, fut)
+        except Moved:
+            raise  # not the replica's failure
         except ReplicaGone:
             if not r.alive and r.stats.healthy:
                 self._set_health(r, False, "connection refused")
-            after_failure(self.now(), r.stats, self.pcfg)
+            if after_failure(self.now(), r.stats, self.pcfg)[0]:
+                self._move_held(r)
             raise
         finally:
+            r.held.pop(key, None)
             r.stats.outstanding -= 1
             r.stats.inflight_since_s.remove(t0)
         r.stats.observe(self.now() - t0, self.pcfg.ewma_alpha, ahead)
+
+    def _move_held(self, r: SimReplica) -> None:
+        """The router's ``_ejected``: the requests ``held_to_move`` picks leave the ejected replica now."""
+        held = [HeldRequest(k, t, moved) for k, (t, moved, _) in r.held.items()]
+        for key, _ in held_to_move(self.now(), r.stats, held, [x.stats for x in self.reps], self.pcfg, self.active):
+            fut = r.held[key][2]
+            if not fut.done():
+                fut.set_exception(Moved())  # a queued one is skipped, a running one frees its slot at once
+                self.moves += 1
 
     def _choose(self, tried: set[str]) -> SimReplica | None:
         stats = [r.stats for r in self.reps]
@@ -188,9 +216,9 @@ class ServeSim:
             picked, _ = choose_replica(self.now(), stats, self.pcfg, self.rng_policy, self.rr)
         return None if picked is None else self.by_id[picked.replica_id]
 
-    async def _hedged(self, r: SimReplica, tried: set[str]) -> None:
+    async def _hedged(self, r: SimReplica, tried: set[str], moved: bool = False) -> None:
         ahead, t0 = r.stats.outstanding, self.now()
-        tasks = {asyncio.ensure_future(self._attempt(r))}
+        tasks = {asyncio.ensure_future(self._attempt(r, moved))}
         delay = hedge_delay_s(self.history, self.pcfg) if self.cfg.hedging else None
         try:
             if delay is not None:
@@ -202,7 +230,7 @@ class ServeSim:
                     if other is not None:
                         tried.add(other.stats.replica_id)
                         self.hedges += 1
-                        tasks.add(asyncio.ensure_future(self._attempt(other)))
+                        tasks.add(asyncio.ensure_future(self._attempt(other, moved)))
             error: BaseException | None = None
             while tasks:
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -221,7 +249,7 @@ class ServeSim:
         self.active += 1
         self.requests += 1
         tried: set[str] = set()
-        gone = False
+        gone = moved = False
         try:
             if self.cfg.router_hop_s:
                 await asyncio.sleep(self.cfg.router_hop_s)
@@ -240,13 +268,13 @@ class ServeSim:
                 self.retries += 1 if attempt else 0
                 self.retries_in_flight += 1 if attempt else 0
                 try:
-                    await self._hedged(r, tried)
+                    await self._hedged(r, tried, moved)
                     self.latencies_s.append(self.now() - t0)
                     self.starts_s.append(t0 - self.t0_s)
                     self.history.add(self.now() - t0)
                     return
                 except ReplicaGone as e:
-                    gone = e.replica_gone
+                    gone, moved = e.replica_gone, moved or isinstance(e, Moved)
                 finally:
                     self.retries_in_flight -= 1 if attempt else 0
             self.failed += 1
@@ -286,6 +314,7 @@ class ServeSim:
                     self._set_health(r, True, "heartbeats and progress")
             for s, _ in latency_outliers(now, [r.stats for r in self.reps], self.pcfg):
                 s.ejected_until_s = now + self.pcfg.ejection_s
+                self._move_held(self.by_id[s.replica_id])
             await asyncio.sleep(cfg.heartbeat_interval_s)
 
     # --- faults and the run ----------------------------------------------------------------------
@@ -319,7 +348,7 @@ class ServeSim:
         if self.cfg.warmup_arrivals_s:  # the router learns the replicas first; counts restart afterwards
             await self._arrive(self.cfg.warmup_arrivals_s)
             self.latencies_s, self.starts_s = [], []
-            self.failed = self.retries = self.hedges = self.requests = 0
+            self.failed = self.retries = self.hedges = self.requests = self.moves = 0
             for r in self.reps:
                 r.served = 0
         self.t0_s = self.now()
@@ -357,6 +386,7 @@ class ServeSim:
         return {"policy": self.cfg.policy.value + ("+hedge" if self.cfg.hedging else ""), "seed": self.cfg.seed,
                 "replicas": self.cfg.replicas, "rate_per_s": self.cfg.rate_per_s, "requests": self.requests,
                 "ok": len(lat), "failed": self.failed, "retries": self.retries, "hedges": self.hedges,
+                "moves": self.moves,
                 "unfinished": self.requests - len(lat) - self.failed,  # still waiting 60 virtual s after the last
                 "served": sum(r.served for r in self.reps),
                 "latency_s": {k: None if quantile(lat, q) is None else round(quantile(lat, q) or 0.0, 6)
@@ -364,8 +394,7 @@ class ServeSim:
                 "membership": self.detections[:200]}
 
 
-POLICY_CASES = [(Policy.ROUND_ROBIN, False), (Policy.P2C_QUEUE, False), (Policy.P2C_LATENCY, False),
-                (Policy.P2C_LATENCY, True)]
+POLICY_CASES = [(p, hedging) for p, hedging, _ in POLICY_NAMES.values()]  # every named policy, in that order
 
 
 def simulate(cfg: SimServeConfig, faults: list[ServingFault]) -> Any:

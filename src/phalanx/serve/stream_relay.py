@@ -34,8 +34,7 @@ async def open_stream(router: Router, path: str, body: dict[str, Any], exclude: 
 
 async def relay_stream(router: Router, path: str, body: dict[str, Any], first: tuple[ReplicaState, httpx.Response],
                  chat: bool, t0: float) -> AsyncIterator[bytes]:
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    created = int(time.time())
+    rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
     text = ""
     sent_any = False
     current: tuple[ReplicaState, httpx.Response] | None = first
@@ -44,6 +43,7 @@ async def relay_stream(router: Router, path: str, body: dict[str, Any], first: t
     finished = False
     base = 0  # characters streamed before the current replica took over
     opened_s = t0  # when the current replica's attempt was opened
+    moved = False  # moved once off an ejected replica before its first token (it will not move again)
     try:
         for attempt in range(router.cfg.attempts_max + 2):
             if current is None:
@@ -59,17 +59,19 @@ async def relay_stream(router: Router, path: str, body: dict[str, Any], first: t
                 tried.add(current[0].stats.replica_id)
                 router.metrics.resumptions.inc()
             r, resp = current
-            measured = False
+            ahead, tokens_here = max(0, r.stats.outstanding - 1), 0  # requests it had besides this one
             try:
                 if resp.status_code != 200:
                     raise AttemptFailed(f"HTTP {resp.status_code}")
-                async for chunk in _relay(router, r, resp):
+                async for chunk in _relay(router, r, resp, None if sent_any else (opened_s, moved)):
                     if chunk is None:
+                        # a finished stream teaches the EWMA its time here per typical-size request (a long
+                        # stream on a healthy replica is not slow; a straggler's streams are, token for token)
+                        r.stats.observe(time.monotonic() - opened_s, router.cfg.policy.ewma_alpha, ahead,
+                                        router.sizes.size(tokens_here))
                         finished = True
                         break
-                    if not measured:  # a stream teaches the replica's EWMA its time to first token
-                        r.stats.observe(time.monotonic() - opened_s, router.cfg.policy.ewma_alpha)
-                        measured = True
+                    tokens_here += _tokens(chunk)
                     out = _rewrite(router, chunk, rid, created, sent_any, base)
                     for c in chunk.get("choices") or []:
                         text += c.get("text") or (c.get("delta") or {}).get("content") or ""
@@ -78,7 +80,10 @@ async def relay_stream(router: Router, path: str, body: dict[str, Any], first: t
                     sent_any = True
                     yield b"data: " + json.dumps(out).encode() + b"\n\n"
             except (AttemptFailed, httpx.HTTPError, ValueError) as e:
-                router.note_failure(r, e)
+                if isinstance(e, AttemptFailed) and e.moved:
+                    moved = True  # off an ejected replica, once; not the replica's failure
+                else:
+                    router.note_failure(r, e)
             finally:
                 r.stats.outstanding -= 1
                 await resp.aclose()
@@ -98,8 +103,15 @@ async def relay_stream(router: Router, path: str, body: dict[str, Any], first: t
             current[0].stats.outstanding -= 1
             await current[1].aclose()
 
-async def _relay(router: Router, r: ReplicaState, resp: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
-    """Chunks from one replica; raises AttemptFailed when it stalls or is voted out mid-stream."""
+async def _relay(router: Router, r: ReplicaState, resp: httpx.Response, held: tuple[float, bool] | None = None
+                 ) -> AsyncIterator[dict[str, Any] | None]:
+    """Chunks from one replica; raises AttemptFailed when it stalls or is voted out mid-stream.
+
+    ``held`` (opened at, moved before): the stream has sent the client nothing yet, so until its first chunk an
+    ejection of this replica may move it (``Router.hold``; AttemptFailed with ``moved``). A stream that has
+    sent tokens stays: it holds a running slot, not a place in the queue, and moving it would re-prefill its
+    whole text elsewhere (the stall and membership rules still resume it if the replica stops)."""
+    key = None if held is None else router.hold(r, *held)
     lines = resp.aiter_lines()
     pending: asyncio.Future[str] | None = None
     stalled_since = time.monotonic()
@@ -113,6 +125,8 @@ async def _relay(router: Router, r: ReplicaState, resp: httpx.Response) -> Async
                 stall_s = max(router.cfg.stall_s, router.cfg.progress_steps_max * r.step_time_s)
                 if not r.stats.healthy or time.monotonic() - stalled_since > stall_s:
                     raise AttemptFailed(f"{r.stats.replica_id} stalled or left rotation mid-stream")
+                if key is not None and key in r.move_keys:
+                    raise AttemptFailed(f"{r.stats.replica_id} was ejected; the stream moves", moved=True)
                 continue
             try:
                 line = pending.result()
@@ -124,15 +138,31 @@ async def _relay(router: Router, r: ReplicaState, resp: httpx.Response) -> Async
                 continue
             data = line[6:]
             if data == "[DONE]":
+                if key is not None:
+                    router.release(r, key)
+                    key = None
                 yield None
                 return
             chunk = json.loads(data)
             if not isinstance(chunk, dict) or "error" in chunk:
                 raise AttemptFailed(f"{r.stats.replica_id} sent an error or garbage mid-stream")
+            if key is not None:  # output: no longer movable
+                router.release(r, key)
+                key = None
             yield chunk
     finally:
+        if key is not None:
+            router.release(r, key)
         if pending is not None:
             pending.cancel()
+
+def _tokens(chunk: dict[str, Any]) -> int:
+    """Tokens a replica's chunk carries (its ``phalanx_token_ids``; else one a chunk with text)."""
+    ids = chunk.get("phalanx_token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    return sum(1 for c in chunk.get("choices") or [] if c.get("text") or (c.get("delta") or {}).get("content"))
+
 
 def _rewrite(router: Router, chunk: dict[str, Any], rid: str, created: int, sent_any: bool, resumed_chars: int) -> dict[str, Any]:
     out = dict(chunk, id=rid, created=created, model=router.cfg.model_name)
