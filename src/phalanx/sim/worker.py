@@ -60,6 +60,19 @@ class SimWorkerEnv:
     steps: int
     max_virtual_s: float
     checkpoints: SimCheckpoints = field(default_factory=SimCheckpoints)
+    # each step's expected coverage, the same for every worker (read-only arrays; the newest few)
+    coverage: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def expected_coverage(self, step: int) -> np.ndarray:
+        cov = self.coverage.get(step)
+        if cov is None:
+            cfg = self.model_cfg
+            cov = expected_coverage(step, cfg.dataset_size, cfg.global_batch_size, cfg.seed, np.float64)
+            cov.flags.writeable = False
+            if len(self.coverage) >= 16:
+                self.coverage.pop(min(self.coverage))
+            self.coverage[step] = cov
+        return cov
 
 
 class SimObserver(Protocol):
@@ -87,6 +100,7 @@ class SimWorker:
         self.restarts = 0
         self.gone = False  # killed with restart = false
         self._bucket_bounds: list[tuple[int, int]] | None = None
+        self._layout: TailLayout | None = None
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -165,13 +179,14 @@ class SimWorker:
             buckets = self._buckets(grad)
             for b in buckets[:-1]:
                 ex.launch(b, len(b) / cfg.features)
-        layout = TailLayout(gbs)
+        layout = self._layout if self._layout is not None and self._layout.global_batch_size == gbs else TailLayout(gbs)
+        self._layout = layout
         last = len(buckets[-1])
         carrier = np.empty(last + layout.size)
         carrier[:last] = buckets[-1]
         tail = carrier[last:]
         layout.fill(tail, offset, idx, loss / share, share)
-        expected = expected_coverage(a.step, cfg.dataset_size, gbs, cfg.seed, np.float64)
+        expected = self.env.expected_coverage(a.step)
         self.span("compute", t0, step=a.step, quorum_id=a.quorum_id)
         t1 = host.now()
         ex.launch(carrier, last / cfg.features)

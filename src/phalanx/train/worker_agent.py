@@ -120,19 +120,23 @@ class WorkerAgent(Healing):
             raise CoordinatorLost(f"lost the coordinator: {e}") from e
 
     async def _heartbeats(self) -> None:
-        """Any message is a sign of life to the coordinator: a wakeup sends a heartbeat only when
-        nothing else went out since the previous wakeup (so it hears from us at least every 2
-        intervals; the timeout is 6). A worker that reports a step at least once an interval sends
-        none."""
+        """Any message is a sign of life to the coordinator, so heartbeats only fill silences of 2
+        intervals (the timeout is 6): an idle worker heartbeats every interval; a worker whose
+        reports go out at least every 2 intervals sends none, and its loop wakes once per 2
+        intervals after its latest message instead of every interval."""
         seq = 0
         prev_wake_s = float("-inf")
         while not self.shutdown_reason or self._decision_due_s:  # a decision still awaited keeps its deadline
             interval_s = self.welcome.heartbeat_interval_s if self.welcome else 0.1
             now = self.host.now()
             self._expire_decisions(now)
-            quiet = self._last_sent_s <= prev_wake_s  # nothing sent since the previous wakeup
+            last_s = self._last_sent_s
+            quiet = last_s <= prev_wake_s  # nothing went out since the previous wakeup
             prev_wake_s = now
-            if self.connected and quiet:
+            sleep_s = interval_s
+            if not quiet:  # wake when that message is 2 intervals old (its wakeup sends if nothing followed)
+                sleep_s = max(last_s + 2 * interval_s - now, 0.001)
+            elif self.connected:
                 seq += 1
                 mark, self._phase_mark = self._phase_mark, None
                 # a phase still under way (a long all-reduce): its progress mark is the sign of life
@@ -142,7 +146,7 @@ class WorkerAgent(Healing):
                     await self._send(message)
                 except CoordinatorLost:
                     pass
-            await self.host.sleep(interval_s)
+            await self.host.sleep(sleep_s)
 
     def _expire_decisions(self, now: float) -> None:
         for (step, quorum_id), due_s in list(self._decision_due_s.items()):
@@ -290,7 +294,7 @@ class WorkerAgent(Healing):
         self._decisions[key] = asyncio.get_running_loop().create_future()
         t0 = self.host.now()
         ok, error = True, ""
-        # the progress watch's mark goes out only if this phase spans a quiet heartbeat interval
+        # the progress watch's mark goes out only if this phase spans a silence of 2 heartbeat intervals
         # (in place of the heartbeat, see _heartbeats): a fault-free step sends none
         self._phase_mark = (a.step, a.quorum_id, "allreduce", t0)
         try:
