@@ -73,7 +73,7 @@ class Sessions:
 
     def __init__(self) -> None:
         self._by_id: dict[str, WorkerSession] = {}
-        self._order: list[str] | None = None  # the ids sorted, until one is added or removed
+        self._order: tuple[WorkerSession, ...] | None = None  # sorted by id, until one is admitted or removed
         self.healthy_n = 0
         self.waiting_n = 0  # healthy sessions asking for a quorum
 
@@ -90,11 +90,12 @@ class Sessions:
     def get(self, worker_id: str) -> WorkerSession | None:
         return self._by_id.get(worker_id)
 
-    def values(self) -> list[WorkerSession]:
+    def values(self) -> tuple[WorkerSession, ...]:
+        """Every session, in id order (cached until one is admitted or removed)."""
         if self._order is None:
-            self._order = sorted(self._by_id)
-        by_id = self._by_id
-        return [by_id[k] for k in self._order]
+            by_id = self._by_id
+            self._order = tuple(by_id[k] for k in sorted(by_id))
+        return self._order
 
     def unordered(self) -> Iterator[WorkerSession]:
         """For hot paths whose result does not depend on order (filters, counts)."""
@@ -119,8 +120,7 @@ class Sessions:
         if old is not None:
             with self._change(old):
                 del self._by_id[s.worker_id]
-        else:
-            self._order = None
+        self._order = None  # a new incarnation is a new object: the cached order holds the old one
         self._by_id[s.worker_id] = s
         h, w = _counted(s)
         self.healthy_n, self.waiting_n = self.healthy_n + h, self.waiting_n + w
