@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.collectives.process_group import RendezvousStore
+from phalanx.core import event_loop
 from phalanx.core.auth import generate_token, read_token_file, write_token_file
 from phalanx.core.errors import JobFailed
 from phalanx.core.modes import ModeConfig
@@ -85,7 +86,7 @@ def launch(cfg: LaunchConfig) -> LaunchResult:
     if cfg.network not in NETWORKS:
         raise NetworkSetupError(f"unknown network {cfg.network!r}: use one of {', '.join(NETWORKS)}")
     if cfg.network == "loopback":
-        return asyncio.run(_launch(cfg, None))
+        return event_loop.run(_launch(cfg, None))
     if cfg.coordinator:
         raise NetworkSetupError("--network namespaces runs the coordinator embedded on the run's bridge; "
                                 "it cannot be combined with --coordinator")
@@ -94,7 +95,7 @@ def launch(cfg: LaunchConfig) -> LaunchResult:
         net.setup()
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         net.write_description(cfg.run_dir)
-        return asyncio.run(_launch(cfg, net))
+        return event_loop.run(_launch(cfg, net))
     finally:
         net.teardown()
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from pathlib import Path
 
 from phalanx.collectives.process_group import RendezvousStore
+from phalanx.core import event_loop
 from phalanx.core.auth import read_token_file
 from phalanx.membership.commit_log import COMMITS_FILE, CommitLogWriter
 from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
@@ -19,7 +19,7 @@ from phalanx.transport.tcp import TcpTransport, TlsFiles, split_address
 def run_coordinator(bind: str, token_file: str, workers: int, run_dir: Path) -> int:
     token = read_token_file(token_file)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return asyncio.run(_serve(bind, token, workers, run_dir))
+    return event_loop.run(_serve(bind, token, workers, run_dir))
 
 
 async def _serve(bind: str, token: bytes, workers: int, run_dir: Path) -> int:

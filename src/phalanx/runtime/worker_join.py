@@ -14,6 +14,7 @@ from typing import Any
 
 from phalanx.collectives.process_group import TorchProcessGroupFactory
 from phalanx.core.auth import read_token_file
+from phalanx.core import event_loop
 from phalanx.core.errors import ConfigError
 from phalanx.train.api import Job
 from phalanx.train.network_faults import NetworkFaults
@@ -33,7 +34,7 @@ def join(**overrides: Any) -> Job:
         raise ConfigError(f"{e.args[0]} is not set: start this script with `phalanx launch -- python SCRIPT`") from e
     run_dir = Path(env.get("PHALANX_RUN_DIR", "runs/latest"))
     data_seed = int(env.get("PHALANX_DATA_SEED", "0"))
-    loop = asyncio.new_event_loop()
+    loop = event_loop.new_event_loop()  # uvloop's when installed: the step's control hops are loop work
     thread = threading.Thread(target=loop.run_forever, name="phalanx-control", daemon=True)
     thread.start()
     transport = TcpTransport(token, name=worker_id, tls=TlsFiles.from_env(env))  # TLS if PHALANX_TLS_* are set
