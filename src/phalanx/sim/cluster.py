@@ -176,13 +176,14 @@ class Cluster:
             self.cluster_step = max(self.cluster_step, step)
         self.timeline.observe(ev, self._loop.time())
 
-    def on_worker_commit(self, w: SimWorker, step: int, quorum_id: int, digest: str) -> None:
+    def on_worker_commit(self, w: SimWorker, step: int, quorum_id: int, params: bytes) -> None:
+        """``params``: the worker's parameters after the step, as bytes (compared exactly; no hash)."""
         self._applied.append((round(self._loop.time(), 6), w.worker_id, step, quorum_id))
         rec = self._committed.get(step)
         if rec is None or rec[0] != quorum_id or w.worker_id not in rec[1]:
             self._violate(f"{w.worker_id} committed step {step} in quorum {quorum_id} outside a committed quorum")
-        first = self._step_digest.setdefault(step, digest)
-        if first != digest:
+        first = self._step_params.setdefault(step, params)
+        if first != params:
             self._violate(f"{w.worker_id} holds different parameters after step {step} than its peers")
 
     def _violate(self, what: str) -> None:
@@ -199,7 +200,7 @@ class Cluster:
         self.timeline = FaultTimeline()  # when faults fire and what they did (as on real runs)
         self._quorum_members: dict[int, tuple[str, ...]] = {}
         self._committed: dict[int, tuple[int, set[str]]] = {}
-        self._step_digest: dict[int, str] = {}
+        self._step_params: dict[int, bytes] = {}
         self._last_qid = 0
         self._fence_qid = 0  # every id formed by a dead coordinator incarnation
         self._coord_epoch = 0  # coordinator incarnation

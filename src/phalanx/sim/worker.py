@@ -22,7 +22,7 @@ from phalanx.core.errors import CheckpointError, PhalanxError, TransportError
 from phalanx.sim.host import SimHost
 from phalanx.sim.network import SimNetwork
 from phalanx.sim.process_group import SimProcessGroupFactory
-from phalanx.sim.workload import RegressionData, SimModelConfig, params_digest
+from phalanx.sim.workload import RegressionData, SimModelConfig
 from phalanx.train import sharding
 from phalanx.train.step_buffer import TailLayout, expected_coverage
 from phalanx.train.step_engine import BodyResult, StepEngine, Ticket
@@ -82,7 +82,7 @@ class SimObserver(Protocol):
 
     def span(self, worker: str, name: str, start_s: float, **fields: Any) -> None: ...
 
-    def on_worker_commit(self, w: "SimWorker", step: int, quorum_id: int, digest: str) -> None: ...
+    def on_worker_commit(self, w: "SimWorker", step: int, quorum_id: int, params: bytes) -> None: ...
 
 
 class SimWorker:
@@ -196,7 +196,7 @@ class SimWorker:
             return BodyResult(False, count, None, vote.reason)  # rolled back: parameters untouched
         buckets[-1] = carrier[:last]  # the last bucket's sum landed in the carrier
         self.w = self.w - cfg.lr * np.concatenate(buckets)
-        self.observer.on_worker_commit(self, a.step, a.quorum_id, params_digest(self.w))
+        self.observer.on_worker_commit(self, a.step, a.quorum_id, self.w.tobytes())
         return BodyResult(True, count, vote.loss)
 
     def _buckets(self, grad: np.ndarray) -> list[np.ndarray]:
@@ -251,7 +251,7 @@ class SimWorker:
         self.w = buffer[: len(self.w)] / buffer[-2]
         assert self.agent is not None and self.engine is not None and self.engine.last is not None
         a = self.engine.last
-        self.observer.on_worker_commit(self, a.step, a.quorum_id, params_digest(self.w))
+        self.observer.on_worker_commit(self, a.step, a.quorum_id, self.w.tobytes())
 
 
 def digest_lines(lines: list[str]) -> str:

@@ -7,7 +7,6 @@ pre-scaled by shard/global batch, so the all-reduced sum is the global-batch mea
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,10 +44,6 @@ class RegressionData:
         xs, ys = self.x[idx], self.y[idx]
         err = xs @ w - ys
         return (2.0 / gbs) * (xs.T @ err), float(err @ err) / gbs
-
-
-def params_digest(w: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest()[:16]
 
 
 def reference_params(cfg: SimModelConfig, steps: int) -> tuple[np.ndarray, list[float]]:
