@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from phalanx.train import sharding
 
@@ -23,8 +24,10 @@ class WorkerConfig:
     pid: int = 0  # reported in Hello; 0: this process's pid (the simulator passes a virtual one)
 
 
-@dataclass(frozen=True)
-class Assignment:
+class Assignment(NamedTuple):
+    """A granted step on a quorum, as this worker acts on it. A named tuple (immutable, built in
+    C): every worker builds one per step from its grant."""
+
     step: int
     quorum_id: int
     members: tuple[str, ...]

@@ -23,7 +23,7 @@ bound (``MAX_ATTEMPTS_PER_STEP``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -317,7 +317,7 @@ class StepEngine:
         k = total if a.catch_up else max(0, a.local_step)
         merged_at = k
         while k < total:
-            local = replace(a, step=k, heal_from="", heal_targets=(), restore_checkpoint="", write_checkpoint=False)
+            local = a._replace(step=k, heal_from="", heal_targets=(), restore_checkpoint="", write_checkpoint=False)
             result = await self.body.run(Ticket(local, k, local=True))
             samples += result.samples
             loss = result.loss if result.loss is not None else loss
