@@ -240,7 +240,17 @@ def test_a_stream_resumed_mid_rollout_continues_on_its_own_version_only(run_dir,
 
         async def with_kill() -> dict[int, tuple[set[str], str]]:
             run = asyncio.create_task(streams())
-            await asyncio.sleep(0.6)
+            # kill r1 once streams run there and have produced tokens (a fixed 0.6 s could come before any stream
+            # reached r1 on a loaded box: then nothing was resumed)
+            async with httpx.AsyncClient(auth=ClusterTokenAuth(token), timeout=5) as hc:
+                steps0 = (await hc.get(reps[1].url + "/health")).json()["steps"]
+                for _ in range(600):  # bounded: 30 s
+                    h = (await hc.get(reps[1].url + "/health")).json()
+                    if h["batch_size"] > 0 and h["steps"] >= steps0 + 2:
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("no stream ran on r1 within 30 s")
             reps[1].proc.send_signal(signal.SIGKILL)
             return await run
 

@@ -17,6 +17,8 @@ import httpx
 from phalanx.serve.router import VERSION_HEADER, AttemptFailed, ReplicaState, Router
 from phalanx.serve.routing_policy import backoff_s
 
+STREAM_TRIES_MAX = 1024  # the relay loop's hard bound (tries without progress stop it far sooner: attempts_max + 2)
+
 
 async def open_stream(router: Router, path: str, body: dict[str, Any], exclude: frozenset[str], session: str | None = None,
                       pinned: str | None = None) -> tuple[ReplicaState, httpx.Response]:
@@ -44,20 +46,19 @@ async def relay_stream(router: Router, path: str, body: dict[str, Any], first: t
     base = 0  # characters streamed before the current replica took over
     opened_s = t0  # when the current replica's attempt was opened
     moved = False  # moved once off an ejected replica before its first token (it will not move again)
+    fruitless = 0  # tries in a row that relayed no token: only those spend the budget (a stream whose replica
+    # flaps on a starved box keeps its tries while it makes progress; its tokens, max_tokens, bound the rest)
     try:
-        for attempt in range(router.cfg.attempts_max + 2):
+        for _ in range(STREAM_TRIES_MAX):
+            if fruitless >= router.cfg.attempts_max + 2:
+                break
             if current is None:
-                try:
-                    resumed = dict(body, phalanx_resume_text=text)
-                    base = len(text)
-                    opened_s = time.monotonic()
-                    current = await open_stream(router, path, resumed, frozenset(tried), pinned=pinned)
-                except AttemptFailed:
-                    await asyncio.sleep(backoff_s(attempt, router.rng) + 0.05)
-                    tried.clear()
+                base, opened_s = len(text), time.monotonic()
+                current = await _reopen(router, path, body, text, tried, pinned)
+                if current is None:
+                    fruitless += 1
+                    await asyncio.sleep(backoff_s(fruitless, router.rng) + 0.05)
                     continue
-                tried.add(current[0].stats.replica_id)
-                router.metrics.resumptions.inc()
             r, resp = current
             ahead, tokens_here = max(0, r.stats.outstanding - 1), 0  # requests it had besides this one
             try:
@@ -88,6 +89,7 @@ async def relay_stream(router: Router, path: str, body: dict[str, Any], first: t
                 r.stats.outstanding -= 1
                 await resp.aclose()
                 current = None
+            fruitless = 0 if tokens_here else fruitless + 1
             if finished:
                 break
         if finished:
@@ -102,6 +104,19 @@ async def relay_stream(router: Router, path: str, body: dict[str, Any], first: t
         if current is not None:
             current[0].stats.outstanding -= 1
             await current[1].aclose()
+
+async def _reopen(router: Router, path: str, body: dict[str, Any], text: str, tried: set[str], pinned: str | None
+                 ) -> tuple[ReplicaState, httpx.Response] | None:
+    """The stream again on another replica of its version: prompt + ``text`` streamed so far, same seed."""
+    try:
+        current = await open_stream(router, path, dict(body, phalanx_resume_text=text), frozenset(tried), pinned=pinned)
+    except AttemptFailed:
+        tried.clear()
+        return None
+    tried.add(current[0].stats.replica_id)
+    router.metrics.resumptions.inc()
+    return current
+
 
 async def _relay(router: Router, r: ReplicaState, resp: httpx.Response, held: tuple[float, bool] | None = None
                  ) -> AsyncIterator[dict[str, Any] | None]:
