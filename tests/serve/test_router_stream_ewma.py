@@ -8,6 +8,8 @@ import asyncio
 import json
 import time
 
+import pytest
+
 from phalanx.core.auth import read_token_file
 from phalanx.serve.cluster import spawn_replicas, stop_replicas
 from phalanx.serve.router import Router, RouterConfig
@@ -31,6 +33,7 @@ async def _stream_on(router: Router, rid: str, tokens: int, seed: int) -> None:
         assert b'"error"' not in raw, raw
 
 
+@pytest.mark.slow  # ~20 s: three paced replicas, sequential traffic
 def test_long_streams_do_not_make_a_replica_look_slow_and_a_slow_one_looks_slow_on_streams_alone(token_file):
     token = read_token_file(token_file)
     reps = spawn_replicas(3, ["--random-weights", "0", "--batch-size-max", "4", "--min-step-s", str(STEP_S)],
