@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.collectives.process_group import TorchProcessGroupFactory
-from phalanx.core.auth import read_token_file
 from phalanx.core import event_loop
+from phalanx.core.auth import read_token_file
 from phalanx.core.errors import ConfigError
 from phalanx.train.api import Job
 from phalanx.train.network_faults import NetworkFaults
