@@ -95,3 +95,27 @@ def test_a_stepping_worker_sends_no_heartbeats_and_a_silent_one_does(monkeypatch
     assert r.ok, r.reason
     assert sum(1 for node, _ in sent if node == "w1") >= 15  # 3 s hung: heartbeats every ~0.1 s
     assert not [e for e in r.events_of("worker_suspected") if e["reason"].startswith("no heartbeat")]
+
+
+def test_the_coordinator_never_goes_two_heartbeat_intervals_without_a_message(monkeypatch):
+    # heartbeats fill silences only: whatever a worker is doing (stepping, hung inside a step with
+    # its heartbeats flowing, waiting in a long all-reduce behind the hung one), the coordinator
+    # hears from it at least every 2 intervals (0.2 s; the timeout is 0.6 s)
+    from phalanx.sim.connection import SimConnection
+
+    sent: dict[str, list[float]] = {}
+    original = SimConnection.send
+
+    async def recording(self, message, buffers=()):
+        if self.remote.name == "coordinator":
+            sent.setdefault(self.local.name, []).append(self._loop.time())
+        return await original(self, message, buffers)
+
+    monkeypatch.setattr(SimConnection, "send", recording)
+    r = Scenario(workers=3, seed=2).hang(1, at_step=5, for_s=3.0).run_until(step=20)
+    assert r.ok, r.reason
+    assert sorted(sent) == ["w0", "w1", "w2"]
+    for node, times in sent.items():
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert max(gaps) <= 0.2 + 1e-6, (node, max(gaps))
+        assert max(gaps) > 0.1, node  # a 3 s hang (and the all-reduce waiting on it) has silences to fill

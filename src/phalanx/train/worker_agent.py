@@ -120,10 +120,10 @@ class WorkerAgent(Healing):
             raise CoordinatorLost(f"lost the coordinator: {e}") from e
 
     async def _heartbeats(self) -> None:
-        """Any message is a sign of life to the coordinator, so heartbeats only fill silences of 2
-        intervals (the timeout is 6): an idle worker heartbeats every interval; a worker whose
-        reports go out at least every 2 intervals sends none, and its loop wakes once per 2
-        intervals after its latest message instead of every interval."""
+        """Any message is a sign of life to the coordinator, so heartbeats only fill silences, and
+        none lasts over 2 intervals (the timeout is 6): 2 intervals after the latest message this
+        loop wakes and heartbeats if nothing else went out meanwhile, then every interval while
+        idle. A worker whose reports go out at least every 2 intervals sends none."""
         seq = 0
         prev_wake_s = float("-inf")
         while not self.shutdown_reason or self._decision_due_s:  # a decision still awaited keeps its deadline
