@@ -40,7 +40,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return loop_factory()()
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)`` on that loop."""
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+def run(main: Coroutine[Any, Any, T], kind: str | None = None) -> T:
+    """``asyncio.run(main)`` on the loop ``loop_factory(kind)`` picks."""
+    with asyncio.Runner(loop_factory=loop_factory(kind)) as runner:
         return runner.run(main)

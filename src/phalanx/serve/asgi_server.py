@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from phalanx.core import event_loop
 
 EVENT_LOOPS = ("auto", "asyncio")  # auto: uvloop + httptools when installed
 
@@ -25,18 +27,8 @@ def has_fast_pair() -> bool:
     return importlib.util.find_spec("uvloop") is not None and importlib.util.find_spec("httptools") is not None
 
 
-def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The event loop for ``kind``: uvloop's for auto when installed, else asyncio's default (None)."""
-    assert kind in EVENT_LOOPS, kind
-    if kind == "auto" and has_fast_pair():
-        import uvloop
-
-        return uvloop.new_event_loop
-    return None
-
-
 def http_impl(kind: str) -> str | type[asyncio.Protocol]:
-    """uvicorn's ``http`` setting matching ``loop_factory(kind)``: httptools with one send per response
+    """uvicorn's ``http`` setting matching the loop ``run(kind)`` picks: httptools with one send per response
     (``coalescing_httptools``) for auto when installed, else h11."""
     return coalescing_httptools() if kind == "auto" and has_fast_pair() else "h11"
 
@@ -114,5 +106,6 @@ def run(main: Coroutine[Any, Any, T], kind: str = "auto", who: str = "phalanx se
     if kind == "auto" and not has_fast_pair():
         print(f"{who}: uvloop/httptools not installed: serving on asyncio + h11 (slower per request; "
               "`pip install uvloop httptools` or reinstall phalanx)", file=sys.stderr, flush=True)
-    with asyncio.Runner(loop_factory=loop_factory(kind)) as runner:
-        return runner.run(main)
+    assert kind in EVENT_LOOPS, kind
+    # uvloop only with httptools (the pair or neither): core/event_loop.py picks and builds the loop
+    return event_loop.run(main, "uvloop" if kind == "auto" and has_fast_pair() else "asyncio")

@@ -100,7 +100,7 @@ class SimWorker:
         self.restarts = 0
         self.gone = False  # killed with restart = false
         self._bucket_bounds: list[tuple[int, int]] | None = None
-        self._layout: TailLayout | None = None
+        self._layout = TailLayout(env.model_cfg.global_batch_size)  # the step's tail, the same every step
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -179,8 +179,7 @@ class SimWorker:
             buckets = self._buckets(grad)
             for b in buckets[:-1]:
                 ex.launch(b, len(b) / cfg.features)
-        layout = self._layout if self._layout is not None and self._layout.global_batch_size == gbs else TailLayout(gbs)
-        self._layout = layout
+        layout = self._layout
         last = len(buckets[-1])
         carrier = np.empty(last + layout.size)
         carrier[:last] = buckets[-1]
