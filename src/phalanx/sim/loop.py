@@ -7,13 +7,15 @@ order drawn from the seeded RNG, which shakes out ordering assumptions while sta
 
 It is not asyncio's ``BaseEventLoop``: that loop pays, per callback, a ``Handle`` object with a
 debug check, a Python ``__lt__`` for every heap comparison, and a selector round per iteration. Here
-a ready callback is a tuple, a timer is a list that is its own heap entry (built and compared in
-C), and an iteration is a few lines. What asyncio's own Futures and Tasks (the C
-implementations) and the stdlib helpers need from a loop is here: ``call_soon``, ``call_at``,
-``call_later``, ``create_future``, ``create_task`` with a task factory, ``time``, the exception
-handler, ``run_until_complete``. ``call_soon`` returns None (nothing in the protocol, nor in the
-Futures, Tasks, queues, locks and timeouts it uses, cancels a ``call_soon``); timers return a
-handle with ``cancel()``, ``cancelled()`` and ``when()``, as ``TimerHandle`` does.
+a ready callback is a tuple, a timer is a list built in C that waits in its instant's bucket, the
+heap holds only the distinct instants (floats, compared in C), and an iteration is a few lines.
+What asyncio's own Futures and Tasks (the C implementations) and the stdlib helpers need from a
+loop is here: ``call_soon``, ``call_at``, ``call_later``, ``create_future``, ``create_task`` with a
+task factory, ``time``, the exception handler, ``run_until_complete``. ``call_soon`` returns None
+(nothing in the protocol, nor in the Futures, Tasks, queues, locks and timeouts it uses, cancels a
+``call_soon``); timers return a handle with ``cancel()``, ``cancelled()`` and ``when()``, as
+``TimerHandle`` does. A callback runs in the context it was scheduled with, as in asyncio (the
+simulated network's task factory reads the creating node from a ContextVar).
 """
 
 from __future__ import annotations
@@ -45,33 +47,33 @@ class SimDeadlock(RuntimeError):
 class VirtualTimer(list):  # type: ignore[type-arg]
     """A scheduled callback: what ``call_at`` and ``call_later`` return (TimerHandle's interface).
 
-    It is its own heap entry, ``[when, draw, seq, callback, args, context, loop, scheduled]``: built
-    by list's C constructor (no Python ``__init__`` per timer) and ordered in C by when, then by a
-    number drawn from the loop's seeded RNG (so timers due at the same instant run in a seeded
-    random order without a shuffle), then by seq, which is unique. A cancelled timer's callback
-    is None.
+    ``[draw, callback, args, context, when]``, built by list's C constructor (no Python
+    ``__init__`` per timer). It waits in its instant's bucket; ``draw`` is a number from the
+    loop's seeded RNG that orders the timers due at the same instant (a seeded random order,
+    replayable). A cancelled timer's callback is None.
     """
 
     __slots__ = ()
 
     def cancel(self) -> None:
-        if self[3] is not None:
-            self[3] = self[4] = None
-            if self[7]:
-                self[6]._cancelled_timers += 1
+        # no bookkeeping: a cancelled timer stays in its bucket until its instant or a compaction
+        self[1] = self[2] = None
 
     def cancelled(self) -> bool:
-        return self[3] is None
+        return self[1] is None
 
     def when(self) -> float:
-        return self[0]  # type: ignore[no-any-return]
+        return self[4]  # type: ignore[no-any-return]
 
     def get_context(self) -> contextvars.Context:
-        return self[5]  # type: ignore[no-any-return]
+        return self[3]  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
-        cb = self[3]
-        return f"<VirtualTimer when={self[0]:.6f} {'cancelled' if cb is None else getattr(cb, '__qualname__', cb)}>"
+        cb = self[1]
+        return f"<VirtualTimer when={self[4]:.6f} {'cancelled' if cb is None else getattr(cb, '__qualname__', cb)}>"
+
+
+_draw_of = operator.itemgetter(0)
 
 
 class VirtualTimeLoop(asyncio.AbstractEventLoop):
@@ -84,6 +86,9 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
     # the young generation is collected every 200,000 net allocations instead of 700 (cycles are
     # still collected; the previous thresholds come back when the loop stops).
     gc_thresholds = (200_000, 50, 1000)
+    # pending instants (cancelled timers included) before the timer buckets are compacted: grows to
+    # twice what a compaction leaves, so compaction costs O(1) per timer amortised
+    compact_floor = 1024
 
     def __init__(self, seed: int = 0) -> None:
         # the virtual clock is a one-item list, read by a C callable: loop.time() is called for
@@ -94,16 +99,59 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         self._draw = self.rng.random  # the tie-break of same-instant timers (C, no shuffle pass)
         self.timer_events = 0  # timers fired: the simulator's unit of work
         self.errors: list[str] = []  # unhandled task errors (other than cancellation at teardown)
-        self._ready: deque[Any] = deque()  # (callback, args, context) tuples and fired VirtualTimers
-        self._heap: list[VirtualTimer] = []
-        self._seq = itertools.count()
-        self._cancelled_timers = 0  # cancelled timers still in the heap
+        self._ready: deque[Any] = deque()  # (callback, args, context) tuples
+        # Timers wait in buckets, one per distinct instant: {when: [VirtualTimer, ...]} in the
+        # order they were scheduled, and a heap of the instants (floats, compared in C without
+        # a tuple or list comparison per step of the heap).
+        self._buckets: dict[float, list[VirtualTimer]] = {}
+        self._instants: list[float] = []
+        self._compact_at = self.compact_floor
         self._stopping = False
         self._running = False
         self._closed = False
         self._task_factory: Any = None
         self._exception_handler: Any = self._on_error
         self._debug = False
+        self._bind_scheduling()
+
+    def _bind_scheduling(self) -> None:
+        """``call_soon``, ``call_at``, ``call_later`` and ``create_future`` as closures over the
+        loop's state (no attribute loads per call); ``create_future`` is asyncio's C Future bound
+        to this loop (no Python frame)."""
+        now, draw, buckets, instants = self._now, self._draw, self._buckets, self._instants
+        append, get = self._ready.append, buckets.get
+        copy_context, heappush, timer_of = _copy_context, _heappush, VirtualTimer
+
+        def call_soon(callback: Callable[..., Any], *args: Any, context: contextvars.Context | None = None) -> None:
+            append((callback, args, context if context is not None else copy_context()))
+
+        def call_at(when: float, callback: Callable[..., Any], *args: Any,
+                    context: contextvars.Context | None = None) -> VirtualTimer:
+            timer = timer_of((draw(), callback, args, context if context is not None else copy_context(), when))
+            bucket = get(when)
+            if bucket is None:
+                buckets[when] = [timer]
+                heappush(instants, when)
+            else:
+                bucket.append(timer)
+            return timer
+
+        def call_later(delay: float, callback: Callable[..., Any], *args: Any,
+                       context: contextvars.Context | None = None) -> VirtualTimer:
+            when = now[0] + delay
+            timer = timer_of((draw(), callback, args, context if context is not None else copy_context(), when))
+            bucket = get(when)
+            if bucket is None:
+                buckets[when] = [timer]
+                heappush(instants, when)
+            else:
+                bucket.append(timer)
+            return timer
+
+        self.call_soon = call_soon  # type: ignore[method-assign]
+        self.call_at = call_at  # type: ignore[method-assign]
+        self.call_later = call_later  # type: ignore[method-assign]
+        self.create_future = functools.partial(futures.Future, loop=self)  # type: ignore[method-assign]
 
     def _on_error(self, loop: Any, context: dict[str, Any]) -> None:
         exc = context.get("exception")
@@ -112,95 +160,120 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         if len(self.errors) < 20:
             self.errors.append(f"{context.get('message', '')}: {exc!r}")
 
-    # ---- the clock and scheduling ----
+    # ---- the clock and scheduling (call_soon, call_at and call_later: see _bind_scheduling) ----
     def time(self) -> float:
         return self._now[0]
-
-    def call_soon(self, callback: Callable[..., Any], *args: Any, context: contextvars.Context | None = None) -> None:
-        self._ready.append((callback, args, context if context is not None else _copy_context()))
-
-    def call_at(self, when: float, callback: Callable[..., Any], *args: Any,
-                context: contextvars.Context | None = None) -> VirtualTimer:
-        timer = VirtualTimer((when, self._draw(), next(self._seq), callback, args,
-                              context if context is not None else _copy_context(), self, True))
-        _heappush(self._heap, timer)
-        return timer
-
-    def call_later(self, delay: float, callback: Callable[..., Any], *args: Any,
-                   context: contextvars.Context | None = None) -> VirtualTimer:
-        timer = VirtualTimer((self._now[0] + delay, self._draw(), next(self._seq), callback, args,
-                              context if context is not None else _copy_context(), self, True))
-        _heappush(self._heap, timer)
-        return timer
 
     def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any,
                              context: contextvars.Context | None = None) -> None:
         # one thread drives a simulation: there is no other thread to be safe from
         self.call_soon(callback, *args, context=context)
 
-    def _advance(self, to_next_timer: bool) -> None:
-        """Move every timer due now into the ready queue (same-instant timers in their drawn
-        order); when nothing else is runnable (``to_next_timer``), first jump virtual time to the
-        next live timer."""
-        heap, now = self._heap, self._now
-        heappop = _heappop
-        while heap and heap[0][3] is None:  # drop cancelled timers at the head
-            heappop(heap)[7] = False
-            self._cancelled_timers -= 1
-        if to_next_timer:
-            if not heap:
-                raise SimDeadlock(f"deadlock at virtual t={self._now[0]:.6f} s: no runnable task and no pending timer")
-            when = heap[0][0]
+    def _due(self, jump: bool) -> list[VirtualTimer] | None:
+        """Take the timers due now, in order: instant by instant, each instant's timers by their
+        draw (ties, improbable, in the order they were scheduled). With ``jump`` (nothing else is
+        runnable), first move virtual time to the next instant that has a live timer. Virtual
+        time moves only to an instant with a live timer, and a due timer never runs before its
+        time. Cancelled timers come along and are skipped when run."""
+        instants, buckets, now = self._instants, self._buckets, self._now
+        if jump:
+            while True:
+                if not instants:
+                    raise SimDeadlock(f"deadlock at virtual t={now[0]:.6f} s: no runnable task and no pending timer")
+                when = instants[0]
+                for timer in buckets[when]:
+                    if timer[1] is not None:
+                        break
+                else:  # every timer of this instant was cancelled
+                    _heappop(instants)
+                    del buckets[when]
+                    continue
+                break
             if when > now[0]:
                 now[0] = when
+        if not instants:
+            return None
         limit = now[0] + self._clock_resolution
-        append = self._ready.append
-        fired = 0
-        while heap and heap[0][0] < limit:  # as BaseEventLoop does
-            timer = heappop(heap)
-            timer[7] = False
-            if timer[3] is None:
-                self._cancelled_timers -= 1
-                continue
-            append(timer)
-            fired += 1
-            if timer[0] > now[0]:
-                now[0] = timer[0]  # within clock resolution: a due timer never runs before its time
-        self.timer_events += fired
+        if instants[0] >= limit:
+            return None
+        due: list[VirtualTimer] | None = None
+        while instants and instants[0] < limit:  # as BaseEventLoop does
+            when = _heappop(instants)
+            bucket = buckets.pop(when)
+            if when > now[0]:  # a later instant within clock resolution: time moves if one is live
+                for timer in bucket:
+                    if timer[1] is not None:
+                        now[0] = when
+                        break
+            if len(bucket) > 1:
+                bucket.sort(key=_draw_of)
+            if due is None:
+                due = bucket
+            else:
+                due += bucket
+        return due
 
     def _compact(self) -> None:
-        """Rebuild the heap without its cancelled timers once they are most of it."""
-        live = []
-        for timer in self._heap:
-            if timer[3] is None:
-                timer[7] = False
-            else:
-                live.append(timer)
-        heapq.heapify(live)
-        self._heap = live
-        self._cancelled_timers = 0
+        """Drop cancelled timers from the buckets and their empty instants from the heap."""
+        live: dict[float, list[VirtualTimer]] = {}
+        for when, bucket in self._buckets.items():
+            kept = [timer for timer in bucket if timer[1] is not None]
+            if kept:
+                live[when] = kept
+        self._buckets.clear()
+        self._buckets.update(live)
+        self._instants[:] = live
+        heapq.heapify(self._instants)
+        self._compact_at = max(self.compact_floor, 2 * len(self._instants))
+
+    def _run_timer(self, timer: VirtualTimer) -> None:
+        """A due timer queued behind ready callbacks (after a ``stop()``): runs unless cancelled."""
+        callback = timer[1]
+        if callback is not None:
+            self.timer_events += 1
+            callback(*timer[2])
 
     def _run_once(self) -> None:
-        """One virtual instant: due timers join the ready queue (jumping virtual time when nothing
-        else is runnable), then the ready queue runs until it is empty, callbacks scheduled by
-        callbacks included, since virtual time cannot move while they run. (BaseEventLoop runs
-        only what was ready when its iteration began, and pays one iteration per hop of every
-        timer -> future -> task chain.) A timer due at this same instant but scheduled during the
+        """One virtual instant: the timers due now run in order (jumping virtual time to the next
+        one when nothing else is runnable), then the ready queue runs until it is empty, callbacks
+        scheduled by callbacks included, since virtual time cannot move while they run.
+        (BaseEventLoop runs only what was ready when its iteration began, and pays one iteration
+        per hop of every timer -> future -> task chain.) Callbacks the timers schedule run after
+        all of this instant's timers. A timer due at this same instant but scheduled during the
         drain waits for the next one; ``stop()`` ends the drain at once."""
-        if self._cancelled_timers > 100 and self._cancelled_timers * 2 > len(self._heap):
+        if len(self._instants) > self._compact_at:
             self._compact()
         ready = self._ready
-        self._advance(not ready and not self._stopping)
+        due = self._due(not ready and not self._stopping)
+        if due is not None:
+            if ready:  # left by a stop(): they were ready first
+                run_timer = self._run_timer
+                ready.extend([(run_timer, (timer,), timer[3]) for timer in due])
+            else:
+                fired = 0
+                timers = iter(due)
+                for timer in timers:
+                    callback = timer[1]
+                    if callback is None:  # cancelled, maybe by a timer of this same instant
+                        continue
+                    fired += 1
+                    try:
+                        timer[3].run(callback, *timer[2])
+                    except (SystemExit, KeyboardInterrupt):
+                        raise
+                    except BaseException as exc:
+                        self.call_exception_handler({"message": f"Exception in callback {callback!r}",
+                                                     "exception": exc})
+                    if self._stopping:
+                        run_timer = self._run_timer
+                        ready.extendleft(reversed([(run_timer, (timer,), timer[3]) for timer in timers]))
+                        break
+                self.timer_events += fired
+                if self._stopping:
+                    return
         popleft = ready.popleft
         while ready:
-            item = popleft()
-            if item.__class__ is tuple:
-                callback, args, context = item
-            else:
-                callback = item[3]
-                if callback is None:  # cancelled after it fell due
-                    continue
-                args, context = item[4], item[5]
+            callback, args, context = popleft()
             try:
                 context.run(callback, *args)
             except (SystemExit, KeyboardInterrupt):
@@ -261,7 +334,8 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
             raise RuntimeError("cannot close a running event loop")
         self._closed = True
         self._ready.clear()
-        self._heap.clear()
+        self._buckets.clear()
+        self._instants.clear()
 
     async def shutdown_asyncgens(self) -> None:
         return None
@@ -271,7 +345,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
 
     # ---- futures and tasks ----
     def create_future(self) -> asyncio.Future[Any]:
-        return futures.Future(loop=self)
+        return futures.Future(loop=self)  # replaced by the C partial of _bind_scheduling
 
     def create_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None,
                     context: contextvars.Context | None = None) -> asyncio.Task[Any]:
