@@ -7,8 +7,9 @@ order drawn from the seeded RNG, which shakes out ordering assumptions while sta
 
 It is not asyncio's ``BaseEventLoop``: that loop pays, per callback, a ``Handle`` object with a
 debug check, a Python ``__lt__`` for every heap comparison, and a selector round per iteration. Here
-a ready callback is a tuple, a timer is a list built in C that waits in its instant's bucket, the
-heap holds only the distinct instants (floats, compared in C), and an iteration is a few lines.
+a ready callback is a pair of tuples, a timer is a slotted object that waits in its instant's
+bucket, the heap holds only the distinct instants (floats, compared in C), and an iteration is a
+few lines.
 What asyncio's own Futures and Tasks (the C implementations) and the stdlib helpers need from a
 loop is here: ``call_soon``, ``call_at``, ``call_later``, ``create_future``, ``create_task`` with a
 task factory, ``time``, the exception handler, ``run_until_complete``. ``call_soon`` returns None
@@ -44,36 +45,43 @@ class SimDeadlock(RuntimeError):
     """Nothing is runnable and no timer is pending, but the awaited work has not finished."""
 
 
-class VirtualTimer(list):  # type: ignore[type-arg]
+class VirtualTimer:
     """A scheduled callback: what ``call_at`` and ``call_later`` return (TimerHandle's interface).
 
-    ``[draw, callback, args, context, when]``, built by list's C constructor (no Python
-    ``__init__`` per timer). It waits in its instant's bucket; ``draw`` is a number from the
-    loop's seeded RNG that orders the timers due at the same instant (a seeded random order,
-    replayable). A cancelled timer's callback is None.
+    Its slots are filled by the scheduling closure (a class without ``__init__`` is made in C,
+    and slot reads are specialised by the interpreter: cheaper than a list's items). ``call`` is
+    ``(callback, *args)``, the tuple the scheduling call packed its arguments into, run as
+    ``context.run(*call)`` without packing another. The timer waits in its instant's bucket;
+    ``draw``, from the loop's seeded RNG, orders the timers due at the same instant (a seeded
+    random order, replayable). A cancelled timer's ``call`` is None.
     """
 
-    __slots__ = ()
+    __slots__ = ("draw", "call", "context", "due_s")
+    draw: float
+    call: tuple[Any, ...] | None
+    context: contextvars.Context
+    due_s: float
 
     def cancel(self) -> None:
         # no bookkeeping: a cancelled timer stays in its bucket until its instant or a compaction
-        self[1] = self[2] = None
+        self.call = None
 
     def cancelled(self) -> bool:
-        return self[1] is None
+        return self.call is None
 
     def when(self) -> float:
-        return self[4]  # type: ignore[no-any-return]
+        return self.due_s
 
     def get_context(self) -> contextvars.Context:
-        return self[3]  # type: ignore[no-any-return]
+        return self.context
 
     def __repr__(self) -> str:
-        cb = self[1]
-        return f"<VirtualTimer when={self[4]:.6f} {'cancelled' if cb is None else getattr(cb, '__qualname__', cb)}>"
+        call = self.call
+        what = "cancelled" if call is None else getattr(call[0], "__qualname__", call[0])
+        return f"<VirtualTimer when={self.due_s:.6f} {what}>"
 
 
-_draw_of = operator.itemgetter(0)
+_draw_of = operator.attrgetter("draw")
 
 
 class VirtualTimeLoop(asyncio.AbstractEventLoop):
@@ -99,7 +107,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         self._draw = self.rng.random  # the tie-break of same-instant timers (C, no shuffle pass)
         self.timer_events = 0  # timers fired: the simulator's unit of work
         self.errors: list[str] = []  # unhandled task errors (other than cancellation at teardown)
-        self._ready: deque[Any] = deque()  # (callback, args, context) tuples
+        self._ready: deque[Any] = deque()  # ((callback, *args), context) pairs
         # Timers wait in buckets, one per distinct instant: {when: [VirtualTimer, ...]} in the
         # order they were scheduled, and a heap of the instants (floats, compared in C without
         # a tuple or list comparison per step of the heap).
@@ -117,17 +125,19 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
     def _bind_scheduling(self) -> None:
         """``call_soon``, ``call_at``, ``call_later`` and ``create_future`` as closures over the
         loop's state (no attribute loads per call); ``create_future`` is asyncio's C Future bound
-        to this loop (no Python frame)."""
+        to this loop (no Python frame). The callback and its arguments arrive packed in one tuple
+        (``*call``): asyncio's own callers pass the callback positionally, as documented."""
         now, draw, buckets, instants = self._now, self._draw, self._buckets, self._instants
         append, get = self._ready.append, buckets.get
         copy_context, heappush, timer_of = _copy_context, _heappush, VirtualTimer
 
-        def call_soon(callback: Callable[..., Any], *args: Any, context: contextvars.Context | None = None) -> None:
-            append((callback, args, context if context is not None else copy_context()))
+        def call_soon(*call: Any, context: contextvars.Context | None = None) -> None:
+            append((call, context if context is not None else copy_context()))
 
-        def call_at(when: float, callback: Callable[..., Any], *args: Any,
-                    context: contextvars.Context | None = None) -> VirtualTimer:
-            timer = timer_of((draw(), callback, args, context if context is not None else copy_context(), when))
+        def call_at(when: float, *call: Any, context: contextvars.Context | None = None) -> VirtualTimer:
+            timer = timer_of()
+            timer.draw, timer.call, timer.due_s = draw(), call, when
+            timer.context = context if context is not None else copy_context()
             bucket = get(when)
             if bucket is None:
                 buckets[when] = [timer]
@@ -136,10 +146,11 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
                 bucket.append(timer)
             return timer
 
-        def call_later(delay: float, callback: Callable[..., Any], *args: Any,
-                       context: contextvars.Context | None = None) -> VirtualTimer:
+        def call_later(delay: float, *call: Any, context: contextvars.Context | None = None) -> VirtualTimer:
             when = now[0] + delay
-            timer = timer_of((draw(), callback, args, context if context is not None else copy_context(), when))
+            timer = timer_of()
+            timer.draw, timer.call, timer.due_s = draw(), call, when
+            timer.context = context if context is not None else copy_context()
             bucket = get(when)
             if bucket is None:
                 buckets[when] = [timer]
@@ -160,10 +171,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         if len(self.errors) < 20:
             self.errors.append(f"{context.get('message', '')}: {exc!r}")
 
-    # ---- the clock and scheduling (call_soon, call_at and call_later: see _bind_scheduling) ----
-    def time(self) -> float:
-        return self._now[0]
-
+    # ---- the clock and scheduling (time, call_soon, call_at, call_later: see __init__) ----
     def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any,
                              context: contextvars.Context | None = None) -> None:
         # one thread drives a simulation: there is no other thread to be safe from
@@ -182,7 +190,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
                     raise SimDeadlock(f"deadlock at virtual t={now[0]:.6f} s: no runnable task and no pending timer")
                 when = instants[0]
                 for timer in buckets[when]:
-                    if timer[1] is not None:
+                    if timer.call is not None:
                         break
                 else:  # every timer of this instant was cancelled
                     _heappop(instants)
@@ -202,7 +210,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
             bucket = buckets.pop(when)
             if when > now[0]:  # a later instant within clock resolution: time moves if one is live
                 for timer in bucket:
-                    if timer[1] is not None:
+                    if timer.call is not None:
                         now[0] = when
                         break
             if len(bucket) > 1:
@@ -217,7 +225,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         """Drop cancelled timers from the buckets and their empty instants from the heap."""
         live: dict[float, list[VirtualTimer]] = {}
         for when, bucket in self._buckets.items():
-            kept = [timer for timer in bucket if timer[1] is not None]
+            kept = [timer for timer in bucket if timer.call is not None]
             if kept:
                 live[when] = kept
         self._buckets.clear()
@@ -228,10 +236,10 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
 
     def _run_timer(self, timer: VirtualTimer) -> None:
         """A due timer queued behind ready callbacks (after a ``stop()``): runs unless cancelled."""
-        callback = timer[1]
-        if callback is not None:
+        call = timer.call
+        if call is not None:
             self.timer_events += 1
-            callback(*timer[2])
+            call[0](*call[1:])
 
     def _run_once(self) -> None:
         """One virtual instant: the timers due now run in order (jumping virtual time to the next
@@ -248,38 +256,38 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         if due is not None:
             if ready:  # left by a stop(): they were ready first
                 run_timer = self._run_timer
-                ready.extend([(run_timer, (timer,), timer[3]) for timer in due])
+                ready.extend([((run_timer, timer), timer.context) for timer in due])
             else:
                 fired = 0
                 timers = iter(due)
                 for timer in timers:
-                    callback = timer[1]
-                    if callback is None:  # cancelled, maybe by a timer of this same instant
+                    call = timer.call
+                    if call is None:  # cancelled, maybe by a timer of this same instant
                         continue
                     fired += 1
                     try:
-                        timer[3].run(callback, *timer[2])
+                        timer.context.run(*call)
                     except (SystemExit, KeyboardInterrupt):
                         raise
                     except BaseException as exc:
-                        self.call_exception_handler({"message": f"Exception in callback {callback!r}",
+                        self.call_exception_handler({"message": f"Exception in callback {call[0]!r}",
                                                      "exception": exc})
                     if self._stopping:
                         run_timer = self._run_timer
-                        ready.extendleft(reversed([(run_timer, (timer,), timer[3]) for timer in timers]))
+                        ready.extendleft(reversed([((run_timer, timer), timer.context) for timer in timers]))
                         break
                 self.timer_events += fired
                 if self._stopping:
                     return
         popleft = ready.popleft
         while ready:
-            callback, args, context = popleft()
+            call, context = popleft()
             try:
-                context.run(callback, *args)
+                context.run(*call)
             except (SystemExit, KeyboardInterrupt):
                 raise
             except BaseException as exc:
-                self.call_exception_handler({"message": f"Exception in callback {callback!r}", "exception": exc})
+                self.call_exception_handler({"message": f"Exception in callback {call[0]!r}", "exception": exc})
             if self._stopping:
                 break
 
@@ -343,10 +351,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
     async def shutdown_default_executor(self) -> None:
         return None
 
-    # ---- futures and tasks ----
-    def create_future(self) -> asyncio.Future[Any]:
-        return futures.Future(loop=self)  # replaced by the C partial of _bind_scheduling
-
+    # ---- futures and tasks (create_future: see _bind_scheduling) ----
     def create_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None,
                     context: contextvars.Context | None = None) -> asyncio.Task[Any]:
         if self._task_factory is None:
@@ -392,7 +397,6 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
     def set_debug(self, enabled: bool) -> None:
         self._debug = bool(enabled)
         self.get_debug = (lambda: True) if self._debug else bool  # type: ignore[method-assign]
-
 
 
 def run_virtual(main: Coroutine[Any, Any, Any], seed: int = 0) -> tuple[Any, VirtualTimeLoop]:
