@@ -1,12 +1,16 @@
 """The same workload through phalanx's public API (the README quickstart loop), timed the same way
 as the DDP baseline: loop top to loop top on every worker.
 
-    phalanx launch --workers N -- python -m phalanx.bench.phx_worker STEPS WORKLOAD
+    phalanx launch --workers N -- python -m phalanx.bench.phx_worker STEPS WORKLOAD [DEVICE]
+
+DEVICE (default cpu) may be ``cuda``: each worker then uses GPU ``index % device_count``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 import time
 
@@ -18,8 +22,11 @@ from phalanx.bench.workloads import build
 
 def main() -> None:
     steps, name = int(sys.argv[1]), sys.argv[2]
+    device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('PHALANX_WORKER_INDEX', '0')) % torch.cuda.device_count()}"
     torch.set_num_threads(1)
-    w = build(name)
+    w = build(name, device)
     job = phalanx.join()
     job.track(model=w.model, optimizer=w.optimizer)
     marks = []
@@ -34,9 +41,12 @@ def main() -> None:
         w.optimizer.step()
         w.optimizer.zero_grad()
     marks.append(time.perf_counter())
+    digest = hashlib.sha256()
+    for p in w.model.parameters():  # the final model, to compare workers
+        digest.update(p.detach().cpu().numpy().tobytes())
     (job.run_dir / "workers" / f"{job.worker_id}.steps.json").write_text(json.dumps(
-        {"step_s": [b - a for a, b in zip(marks, marks[1:])], "parameters": w.parameters,
-         "final_loss": loss.item(), "retried": job.counters.steps_retried}))
+        {"step_s": [b - a for a, b in zip(marks, marks[1:])], "parameters": w.parameters, "device": device,
+         "final_loss": loss.item(), "params_sha256": digest.hexdigest(), "retried": job.counters.steps_retried}))
     job.close()
 
 

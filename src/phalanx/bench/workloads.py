@@ -32,14 +32,22 @@ class Workload:
         return sum(p.numel() for p in self.model.parameters())
 
 
-def build(name: str) -> Workload:
+def build(name: str, device: str = "cpu") -> Workload:
+    """The workload ``name`` with its model and batches on ``device`` ("cpu", "cuda", "cuda:1")."""
+    dev = torch.device(device)
     if name == "charlm":
         from phalanx.workload.charlm_train import build as build_charlm
         from phalanx.workload.model import build_model, build_optimizer, loss_fn
 
         cfg, data = build_charlm()
-        model = build_model(cfg)
-        return Workload(model, build_optimizer(model, cfg), len(data), cfg.global_batch_size, data.batch, loss_fn)
+        model = build_model(cfg).to(dev)
+
+        def lm_batch(idx: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = data.batch(idx)
+            return x.to(dev), y.to(dev)
+
+        return Workload(model, build_optimizer(model, cfg), len(data), cfg.global_batch_size,
+                        data.batch if dev.type == "cpu" else lm_batch, loss_fn)
     if name not in MLPS:
         raise ValueError(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}")
     d_in, hidden, layers, d_out = MLPS[name]
@@ -50,13 +58,13 @@ def build(name: str) -> Workload:
         mods.append(nn.Linear(widths[i], widths[i + 1]))
         if i < len(widths) - 2:
             mods.append(nn.ReLU())
-    model = nn.Sequential(*mods)
+    model = nn.Sequential(*mods).to(dev)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(MLP_DATASET, d_in, generator=g)
-    y = torch.randn(MLP_DATASET, d_out, generator=g)
+    x = torch.randn(MLP_DATASET, d_in, generator=g).to(dev)
+    y = torch.randn(MLP_DATASET, d_out, generator=g).to(dev)
 
     def batch(idx: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.tensor(idx, dtype=torch.long)  # a copy: the indices may be a read-only view
+        t = torch.tensor(idx, dtype=torch.long, device=dev)  # a copy: the indices may be a read-only view
         return x[t], y[t]
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

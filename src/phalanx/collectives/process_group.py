@@ -1,6 +1,8 @@
 """ProcessGroup seam: the data plane, rebuilt for every quorum id.
 
-``TorchProcessGroup`` wraps torch.distributed's Gloo (CPU) or NCCL (CUDA) groups. A collective is
+``TorchProcessGroup`` wraps torch.distributed's groups: Gloo for CPU tensors, NCCL for CUDA ones
+(:func:`backend_for`; the NCCL group of a quorum is made on its first CUDA tensor, so a CPU model
+on a machine with GPUs trains over Gloo, and NCCL's communicator is only set up where used). A collective is
 awaited with a deadline; a group whose collective failed or passed its deadline is *abandoned*:
 never waited on again, kept alive in a bounded graveyard until its own timeout has surely fired so
 its destructor cannot block the training thread. The simulator supplies its own factory.
@@ -17,7 +19,25 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
-from phalanx.core.errors import CollectiveError
+from phalanx.core.errors import CollectiveError, ConfigError
+
+BACKEND_SETTINGS = ("auto", "gloo")  # PHALANX_BACKEND
+
+
+def backend_for(setting: str, device_type: str) -> str:
+    """The torch backend that all-reduces a tensor on ``device_type`` ("cpu", "cuda", ...) under
+    ``setting``: ``auto`` (the default) is NCCL for CUDA tensors and Gloo for the rest; ``gloo`` is
+    Gloo for every tensor (CUDA ones too: for workers sharing one GPU, which NCCL refuses)."""
+    if setting not in BACKEND_SETTINGS:
+        raise ConfigError(f"PHALANX_BACKEND={setting!r}: use one of {', '.join(BACKEND_SETTINGS)}")
+    return "nccl" if setting == "auto" and device_type == "cuda" else "gloo"
+
+
+def cuda_backend(gpus: list[str]) -> str:
+    """NCCL when every rank of a group has a GPU of its own (``gpus``: each rank's host and GPU
+    UUID, as every rank reads them from the store, so all ranks decide alike), else Gloo: NCCL
+    refuses two ranks on one GPU ("invalid usage"), and a group that tried would fail every step."""
+    return "nccl" if len(set(gpus)) == len(gpus) else "gloo"
 
 
 class Pending(Protocol):
@@ -72,11 +92,17 @@ class LocalProcessGroup:
 
 
 class TorchProcessGroup:
-    def __init__(self, pg: Any, quorum_id: int, rank: int, world_size: int, graveyard: "_Graveyard") -> None:
-        self._pg = pg
+    def __init__(self, pg: Any, quorum_id: int, rank: int, world_size: int, graveyard: "_Graveyard",
+                 setting: str = "gloo", make_cuda: Any = None) -> None:
+        self._pg = pg  # Gloo, made when the quorum formed
         self.quorum_id, self.rank, self.world_size = quorum_id, rank, world_size
         self._graveyard = graveyard
         self._abandoned = False
+        self._setting = setting
+        self._make_cuda = make_cuda  # (device) -> (group, backend name) for this quorum's CUDA tensors
+        self._cuda: Any = None
+        self._lock = threading.Lock()  # the NCCL group is made once, from whichever thread asks first
+        self.backends_used: set[str] = set()
 
     async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
         await self.start_allreduce_sum(tensor).wait(timeout_s)
@@ -87,16 +113,35 @@ class TorchProcessGroup:
         if self._abandoned or pg is None:
             raise CollectiveError(f"process group of quorum {self.quorum_id} was abandoned")
         try:
+            if backend_for(self._setting, tensor.device.type) == "nccl":
+                pg, name = self._cuda_group(tensor.device)
+                self.backends_used.add(name)
+            else:
+                self.backends_used.add("gloo")
             return _TorchPending(self, pg.allreduce([tensor]))
         except RuntimeError as e:
             self.abandon()
             raise CollectiveError(f"all-reduce could not start in quorum {self.quorum_id}: {_short(e)}") from e
+
+    def _cuda_group(self, device: Any) -> tuple[Any, str]:
+        with self._lock:
+            if self._cuda is None:
+                if self._make_cuda is None:
+                    raise RuntimeError("no NCCL group can be made here")
+                # every rank gets here at the same collective (ranks start collectives in the same
+                # order), so the store rendezvous below and NCCL's own find all of them
+                self._cuda = self._make_cuda(device)
+            return self._cuda  # type: ignore[no-any-return]
 
     def abandon(self) -> None:
         if not self._abandoned:
             self._abandoned = True
             self._graveyard.bury(self._pg)
             self._pg = None
+            with self._lock:
+                if self._cuda is not None and self._cuda[1] == "nccl":
+                    self._graveyard.bury(self._cuda[0])
+                self._cuda = None
 
 
 class _TorchPending:
@@ -222,14 +267,16 @@ def signed_store(inner: Any, token: bytes, run_id: str) -> Any:
 
 
 class TorchProcessGroupFactory:
-    """Builds Gloo (or NCCL, when CUDA is present) groups from the coordinator's TCPStore, through
-    :func:`signed_store`."""
+    """Builds each quorum's groups from the coordinator's TCPStore, through :func:`signed_store`:
+    a Gloo group when the quorum forms, and an NCCL one on its first CUDA tensor (``setting``:
+    see :func:`backend_for`)."""
 
     def __init__(self, store_address: str, token: bytes, backend: str = "auto", connect_timeout_s: float = 10.0,
                  run_id: str = "") -> None:
         import torch
         import torch.distributed as dist
 
+        backend_for(backend, "cpu")  # a bad setting is a ConfigError here, before any connection
         self._dist = dist
         host, _, port = store_address.rpartition(":")
         self._store = dist.TCPStore(host, int(port), is_master=False,
@@ -240,7 +287,8 @@ class TorchProcessGroupFactory:
         # values signed and bound to this job and (through the key) the quorum; kept referenced
         # here: torch holds only the C++ half, and a collected Python store loses its methods
         self._signed = signed_store(self._store, token, run_id)
-        self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
+        self.backend = backend
+        self._nccl_ok = backend == "auto" and torch.cuda.is_available()
         self._graveyard = _Graveyard(hold_s=2 * 60.0)
 
     async def create(self, quorum_id: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroup:
@@ -253,10 +301,7 @@ class TorchProcessGroupFactory:
 
         def build() -> None:  # the constructor blocks until every rank has connected
             try:
-                if self.backend == "nccl":
-                    pg = self._dist.ProcessGroupNCCL(prefix, rank, world_size, self._nccl_options(timeout))
-                else:
-                    pg = self._dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+                pg = self._dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
             except Exception as e:
                 loop.call_soon_threadsafe(_settle, result, None, e)
                 return
@@ -270,12 +315,34 @@ class TorchProcessGroupFactory:
         except RuntimeError as e:
             raise CollectiveError(f"process group for quorum {quorum_id} failed to form: {_short(e)}") from e
         self._graveyard.sweep()
-        return TorchProcessGroup(pg, quorum_id, rank, world_size, self._graveyard)
+
+        def make_cuda(device: Any) -> tuple[Any, str]:
+            # on the first CUDA tensor: all ranks publish which GPU they hold, then all decide alike
+            prefix = self._dist.PrefixStore(f"{self._namespace}/q{quorum_id}/cuda", self._signed)
+            prefix.set(f"gpu/{rank}", _gpu_identity(device).encode())
+            gpus = [bytes(prefix.get(f"gpu/{r}")).decode() for r in range(world_size)]
+            if cuda_backend(gpus) == "gloo":
+                return pg, "gloo"
+            nccl_prefix = self._dist.PrefixStore(f"{self._namespace}/q{quorum_id}/nccl", self._signed)
+            return self._dist.ProcessGroupNCCL(nccl_prefix, rank, world_size, self._nccl_options(timeout)), "nccl"
+
+        return TorchProcessGroup(pg, quorum_id, rank, world_size, self._graveyard, self.backend,
+                                 make_cuda if self._nccl_ok else None)
 
     def _nccl_options(self, timeout: datetime.timedelta) -> Any:
         opts = self._dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return opts
+
+
+def _gpu_identity(device: Any) -> str:
+    """This host and the GPU behind ``device`` (its UUID: the same GPU under any CUDA_VISIBLE_DEVICES)."""
+    import socket
+
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return f"{socket.gethostname()}/{getattr(props, 'uuid', device)}"
 
 
 def _settle(fut: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from phalanx.collectives.process_group import TorchProcessGroupFactory
+from phalanx.collectives.process_group import TorchProcessGroupFactory, backend_for
 from phalanx.core import event_loop
 from phalanx.core.auth import read_token_file
 from phalanx.core.errors import ConfigError
@@ -55,6 +55,8 @@ def join(**overrides: Any) -> Job:
         worker_id = env["PHALANX_WORKER_ID"]
     except KeyError as e:
         raise ConfigError(f"{e.args[0]} is not set: start this script with `phalanx launch -- python SCRIPT`") from e
+    backend = env.get("PHALANX_BACKEND", "auto")  # auto: NCCL for CUDA tensors, Gloo for CPU ones
+    backend_for(backend, "cpu")  # a bad value is a ConfigError now, before any thread starts
     run_dir = Path(env.get("PHALANX_RUN_DIR", "runs/latest"))
     data_seed = int(env.get("PHALANX_DATA_SEED", "0"))
     loop = event_loop.new_event_loop()  # uvloop's when installed: the step's control hops are loop work
@@ -67,7 +69,8 @@ def join(**overrides: Any) -> Job:
     net = NetworkFaults.install(host, coordinator, random.Random(f"net:{data_seed}:{worker_id}"))
     cfg = WorkerConfig(worker_id=worker_id, coordinator_address=coordinator,
                        heal_bind=env.get("PHALANX_HEAL_BIND", "127.0.0.1:0"))
-    agent = WorkerAgent(host, cfg, lambda addr, run_id: net.wrap(TorchProcessGroupFactory(addr, token, run_id=run_id)))
+    agent = WorkerAgent(host, cfg, lambda addr, run_id: net.wrap(
+        TorchProcessGroupFactory(addr, token, backend=backend, run_id=run_id)))
     job = Job(agent, loop, run_dir, data_seed, worker_id)
     net.log = job._spans.event
     agent._on_fault = net.route(job.faults.on_fault)  # called on the control thread

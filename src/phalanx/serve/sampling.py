@@ -44,7 +44,9 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], indices: l
     by row (softmax, sort and cumsum along the last dimension) or is exact (division), and the rest is
     exact float comparison in Python (``bisect`` on each row's cumulative probabilities)."""
     temps = [p.temperature if p.temperature > 0.0 else 1.0 for p in params]
-    scaled = logits.double() / torch.tensor(temps, dtype=torch.float64)[:, None]
+    # on the CPU whatever device the model runs on: a (B, vocab) copy, and the same arithmetic on
+    # every replica (a CUDA replica's logits would otherwise meet CPU temperatures here)
+    scaled = logits.detach().double().cpu() / torch.tensor(temps, dtype=torch.float64)[:, None]
     sorted_p, order = torch.sort(torch.softmax(scaled, dim=-1), dim=-1, descending=True, stable=True)
     cums, orders = torch.cumsum(sorted_p, dim=-1).tolist(), order.tolist()
     out = []
