@@ -191,3 +191,15 @@ def test_stop_inside_an_instants_timers_keeps_the_rest_in_order_for_the_next_run
     assert ran == [f"t{order[0]}", f"t{order[1]}", f"t{order[3]}", "soon"]
     assert loop.timer_events == 4  # the three timers that ran and rest()'s sleep: a cancelled one is not counted
     loop.close()
+
+
+def test_a_loop_stopped_before_it_runs_returns_after_one_round():
+    loop = VirtualTimeLoop()
+    ran: list[str] = []
+    loop.call_soon(ran.append, "ready")
+    loop.call_at(0.0, ran.append, "due now")
+    loop.call_at(5.0, ran.append, "later")
+    loop.stop()
+    loop.run_forever()  # must return: nothing after the first round runs
+    assert "later" not in ran and loop.time() == 0.0
+    loop.close()

@@ -177,48 +177,21 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         # one thread drives a simulation: there is no other thread to be safe from
         self.call_soon(callback, *args, context=context)
 
-    def _due(self, jump: bool) -> list[VirtualTimer] | None:
-        """Take the timers due now, in order: instant by instant, each instant's timers by their
-        draw (ties, improbable, in the order they were scheduled). With ``jump`` (nothing else is
-        runnable), first move virtual time to the next instant that has a live timer. Virtual
-        time moves only to an instant with a live timer, and a due timer never runs before its
-        time. Cancelled timers come along and are skipped when run."""
+    def _due_within_resolution(self) -> list[VirtualTimer]:
+        """The timers of the instants that fell due within clock resolution of now, in order
+        (BaseEventLoop fires those too); time moves to the latest of them that has a live timer,
+        so a due timer never runs before its time."""
         instants, buckets, now = self._instants, self._buckets, self._now
-        if jump:
-            while True:
-                if not instants:
-                    raise SimDeadlock(f"deadlock at virtual t={now[0]:.6f} s: no runnable task and no pending timer")
-                when = instants[0]
-                for timer in buckets[when]:
-                    if timer.call is not None:
-                        break
-                else:  # every timer of this instant was cancelled
-                    _heappop(instants)
-                    del buckets[when]
-                    continue
-                break
-            if when > now[0]:
-                now[0] = when
-        if not instants:
-            return None
         limit = now[0] + self._clock_resolution
-        if instants[0] >= limit:
-            return None
-        due: list[VirtualTimer] | None = None
-        while instants and instants[0] < limit:  # as BaseEventLoop does
+        due: list[VirtualTimer] = []
+        while instants and instants[0] < limit:
             when = _heappop(instants)
             bucket = buckets.pop(when)
-            if when > now[0]:  # a later instant within clock resolution: time moves if one is live
-                for timer in bucket:
-                    if timer.call is not None:
-                        now[0] = when
-                        break
+            if when > now[0] and any(timer.call is not None for timer in bucket):
+                now[0] = when
             if len(bucket) > 1:
                 bucket.sort(key=_draw_of)
-            if due is None:
-                due = bucket
-            else:
-                due += bucket
+            due += bucket
         return due
 
     def _compact(self) -> None:
@@ -241,23 +214,42 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
             self.timer_events += 1
             call[0](*call[1:])
 
-    def _run_once(self) -> None:
-        """One virtual instant: the timers due now run in order (jumping virtual time to the next
-        one when nothing else is runnable), then the ready queue runs until it is empty, callbacks
-        scheduled by callbacks included, since virtual time cannot move while they run.
-        (BaseEventLoop runs only what was ready when its iteration began, and pays one iteration
-        per hop of every timer -> future -> task chain.) Callbacks the timers schedule run after
-        all of this instant's timers. A timer due at this same instant but scheduled during the
-        drain waits for the next one; ``stop()`` ends the drain at once."""
-        if len(self._instants) > self._compact_at:
-            self._compact()
-        ready = self._ready
-        due = self._due(not ready and not self._stopping)
-        if due is not None:
-            if ready:  # left by a stop(): they were ready first
+    def _run(self) -> None:
+        """Run virtual instants until ``stop()``. Each: jump virtual time to the next instant with
+        a live timer, run its timers in their drawn order (and those due within clock resolution
+        of it), then the ready queue until it is empty, callbacks scheduled by callbacks included,
+        since virtual time cannot move while they run. (BaseEventLoop runs only what was ready when
+        its iteration began, and pays one iteration per hop of every timer -> future -> task
+        chain.) Callbacks the timers schedule run after all of the instant's timers; a timer due at
+        this same instant but scheduled while they run waits for the next iteration. ``stop()``
+        ends an iteration at once, keeping what it had not run. One method, one frame per instant:
+        at one timer per instant (most of a cluster run) the per-instant work is most of the cost."""
+        ready, instants, buckets, now = self._ready, self._instants, self._buckets, self._now
+        popleft, heappop = ready.popleft, _heappop
+        while True:
+            if ready or self._stopping:  # after a stop(): timers due now wait behind what is ready
                 run_timer = self._run_timer
-                ready.extend([((run_timer, timer), timer.context) for timer in due])
+                ready.extend([((run_timer, timer), timer.context) for timer in self._due_within_resolution()])
             else:
+                if len(instants) > self._compact_at:
+                    self._compact()
+                while True:  # the next instant with a live timer; fully cancelled ones are dropped
+                    if not instants:
+                        raise SimDeadlock(f"deadlock at virtual t={now[0]:.6f} s: no runnable task and no pending timer")
+                    when = heappop(instants)
+                    due = buckets.pop(when)
+                    for timer in due:
+                        if timer.call is not None:
+                            break
+                    else:
+                        continue
+                    break
+                if when > now[0]:
+                    now[0] = when
+                if len(due) > 1:
+                    due.sort(key=_draw_of)
+                if instants and instants[0] < when + self._clock_resolution:
+                    due += self._due_within_resolution()
                 fired = 0
                 timers = iter(due)
                 for timer in timers:
@@ -270,8 +262,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
                     except (SystemExit, KeyboardInterrupt):
                         raise
                     except BaseException as exc:
-                        self.call_exception_handler({"message": f"Exception in callback {call[0]!r}",
-                                                     "exception": exc})
+                        self.call_exception_handler({"message": f"Exception in callback {call[0]!r}", "exception": exc})
                     if self._stopping:
                         run_timer = self._run_timer
                         ready.extendleft(reversed([((run_timer, timer), timer.context) for timer in timers]))
@@ -279,17 +270,18 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
                 self.timer_events += fired
                 if self._stopping:
                     return
-        popleft = ready.popleft
-        while ready:
-            call, context = popleft()
-            try:
-                context.run(*call)
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as exc:
-                self.call_exception_handler({"message": f"Exception in callback {call[0]!r}", "exception": exc})
-            if self._stopping:
-                break
+            while ready:
+                call, context = popleft()
+                try:
+                    context.run(*call)
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as exc:
+                    self.call_exception_handler({"message": f"Exception in callback {call[0]!r}", "exception": exc})
+                if self._stopping:
+                    return
+            if self._stopping:  # stopped before it ran: one round, as an asyncio loop does
+                return
 
     # ---- running ----
     def run_forever(self) -> None:
@@ -302,10 +294,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         thresholds = gc.get_threshold()
         gc.set_threshold(*self.gc_thresholds)
         try:
-            while True:
-                self._run_once()
-                if self._stopping:
-                    break
+            self._run()
         finally:
             gc.set_threshold(*thresholds)
             self._stopping = False
