@@ -225,7 +225,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
         ends an iteration at once, keeping what it had not run. One method, one frame per instant:
         at one timer per instant (most of a cluster run) the per-instant work is most of the cost."""
         ready, instants, buckets, now = self._ready, self._instants, self._buckets, self._now
-        popleft, heappop = ready.popleft, _heappop
+        popleft, heappop, resolution = ready.popleft, _heappop, self._clock_resolution
         while True:
             if ready or self._stopping:  # after a stop(): timers due now wait behind what is ready
                 run_timer = self._run_timer
@@ -238,25 +238,20 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
                         raise SimDeadlock(f"deadlock at virtual t={now[0]:.6f} s: no runnable task and no pending timer")
                     when = heappop(instants)
                     due = buckets.pop(when)
-                    for timer in due:
-                        if timer.call is not None:
-                            break
-                    else:
-                        continue
-                    break
+                    if due[0].call is not None or any(timer.call is not None for timer in due):
+                        break
                 if when > now[0]:
                     now[0] = when
                 if len(due) > 1:
                     due.sort(key=_draw_of)
-                if instants and instants[0] < when + self._clock_resolution:
+                if instants and instants[0] < when + resolution:
                     due += self._due_within_resolution()
-                fired = 0
-                timers = iter(due)
-                for timer in timers:
+                skipped = 0
+                for timer in due:
                     call = timer.call
                     if call is None:  # cancelled, maybe by a timer of this same instant
+                        skipped += 1
                         continue
-                    fired += 1
                     try:
                         timer.context.run(*call)
                     except (SystemExit, KeyboardInterrupt):
@@ -264,12 +259,12 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
                     except BaseException as exc:
                         self.call_exception_handler({"message": f"Exception in callback {call[0]!r}", "exception": exc})
                     if self._stopping:
+                        ran = due.index(timer) + 1  # timers compare by identity
+                        self.timer_events += ran - skipped
                         run_timer = self._run_timer
-                        ready.extendleft(reversed([((run_timer, timer), timer.context) for timer in timers]))
-                        break
-                self.timer_events += fired
-                if self._stopping:
-                    return
+                        ready.extendleft(reversed([((run_timer, timer), timer.context) for timer in due[ran:]]))
+                        return
+                self.timer_events += len(due) - skipped
             while ready:
                 call, context = popleft()
                 try:
