@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -22,8 +23,10 @@ class RealHost:
         self._tasks: set[asyncio.Task[Any]] = set()  # strong refs: asyncio keeps only weak ones
         self._on_log = on_log
 
-    def now(self) -> float:
-        return asyncio.get_running_loop().time()
+    # time.monotonic, not loop.time(): uvloop's clock is libuv's, in whole milliseconds and read
+    # once per loop iteration, which rounded every step time the coordinator records to the ms
+    # (nothing here schedules with call_at, so the two clocks never meet in a deadline)
+    now = staticmethod(time.monotonic)
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
