@@ -21,6 +21,7 @@ from phalanx.sim.network import SimNetwork, SimNode
 
 _cids = 0
 _FIN: Any = ("fin", [])  # end-of-stream marker queued behind the data
+_encode = msgspec.msgpack.Encoder().encode  # the frame's size on the wire
 
 
 class SimConnection:
@@ -55,8 +56,12 @@ class SimConnection:
         _check_incarnation(self.local, self._incarnation)
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed ({self.close_reason})")
-        bufs = [memoryview(bytes(b)) for b in buffers]  # the receiver gets its own copy
-        nbytes = len(msgspec.msgpack.encode(message)) + sum(b.nbytes for b in bufs) + 40
+        nbytes = len(_encode(message)) + 40
+        if buffers:
+            bufs = [memoryview(bytes(b)) for b in buffers]  # the receiver gets its own copy
+            nbytes += sum(b.nbytes for b in bufs)
+        else:  # most control messages carry none: no comprehension or generator frames
+            bufs = []
         self.net.messages_sent += 1
         now = self._loop.time()
         # max(): a frame is readable only after every frame before it (head-of-line blocking)
