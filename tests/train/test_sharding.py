@@ -2,6 +2,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from phalanx.train import sharding
 
@@ -56,3 +58,23 @@ def test_a_straggler_at_a_third_of_the_speed_gets_about_a_third_of_the_share():
 def test_weighted_shares_refuse_a_nonpositive_weight():
     with pytest.raises(ValueError):
         sharding.weighted_shard_bounds(32, [1.0, 0.0], 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(min_value=1e-6, max_value=1e6, allow_nan=False), min_size=1, max_size=300),
+       st.integers(min_value=0, max_value=4096))
+def test_the_spans_the_coordinator_hands_out_tile_the_batch_exactly_once(weights, extra):
+    from phalanx.membership.policy import shard_spans
+
+    gbs = len(weights) + extra
+    spans = shard_spans(weights)
+    assert spans[0][0] == 0.0 and spans[-1][1] == 1.0
+    bounds = [sharding.span_shard_bounds(gbs, a, b, r, len(weights)) for r, (a, b) in enumerate(spans)]
+    assert [o for o, _ in bounds] == [sum(c for _, c in bounds[:r]) for r in range(len(weights))]
+    assert sum(c for _, c in bounds) == gbs and all(c >= 1 for _, c in bounds)
+
+
+def test_a_span_outside_the_unit_interval_or_reversed_is_refused():
+    for start, end in [(-0.1, 0.5), (0.5, 1.5), (0.6, 0.5), (float("nan"), 1.0)]:
+        with pytest.raises(ValueError):
+            sharding.span_shard_bounds(32, start, end, 0, 2)

@@ -148,7 +148,7 @@ class QuorumAssigned(_Msg):
     heal_targets: Names = []  # members that will heal from this worker
     restore_checkpoint: str = ""  # path of a durable checkpoint to restore ("" = none)
     write_checkpoint: bool = False  # this member writes the durable checkpoint after commit
-    shard_weights: list[float] = []  # available mode: each member's share of the global batch ([] = even)
+    shard_span: list[float] = []  # available mode: [start, end] of this member's share of the batch, in [0, 1] ([] = even)
     local_step: Count = -1  # local-sgd: the furthest local step among the members; all continue from it
     catch_up: bool = False  # the job is over: restore or heal to the final state, nothing to compute
 

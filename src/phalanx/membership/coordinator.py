@@ -322,6 +322,7 @@ class Coordinator(WorkerMessages):
         self.stall_reason = ""
         assert q is None or d.quorum_id >= q.quorum_id, "quorum ids never decrease"
         weights = policy.shard_weights(self.cfg.modes.mode, d.members, self._speed)
+        spans = policy.shard_spans(weights)
         self.quorum = CurrentQuorum(d.quorum_id, d.step, d.members, now, member_set=frozenset(d.members),
                                     weights={w: weights[i] if weights else 1.0 / len(d.members)
                                              for i, w in enumerate(d.members)})
@@ -347,7 +348,8 @@ class Coordinator(WorkerMessages):
             self._send(s, QuorumAssigned(
                 step=d.step, quorum_id=d.quorum_id, members=members if full else [], rank=rank, heal_from=src,
                 heal_address=self.sessions[src].heal_address if src else "", heal_targets=heal_targets.get(w, []),
-                restore_checkpoint=d.restore_checkpoint, write_checkpoint=(w == writer), shard_weights=weights,
+                restore_checkpoint=d.restore_checkpoint, write_checkpoint=(w == writer),
+                shard_span=list(spans[rank]) if spans else [],
                 local_step=local_step, catch_up=finished))
         if not (q and q.quorum_id == d.quorum_id):
             self.emit("quorum_formed", quorum_id=d.quorum_id, step=d.step, members=list(d.members), reason=d.reason)

@@ -37,7 +37,7 @@ class Assignment(NamedTuple):
     heal_targets: tuple[str, ...]
     restore_checkpoint: str
     write_checkpoint: bool
-    shard_weights: tuple[float, ...] = ()  # available mode: uneven shares by speed (() = even)
+    shard_span: tuple[float, ...] = ()  # available mode: (start, end) of this member's share by speed (() = even)
     local_step: int = -1  # local-sgd: the step every member continues from after this merge
     catch_up: bool = False  # the job is over: restore or heal to the final state, then stop
 
@@ -47,6 +47,7 @@ class Assignment(NamedTuple):
 
     def shard_bounds(self, global_batch_size: int) -> tuple[int, int]:
         """(offset, count) of this member's slice of the global batch."""
-        if self.shard_weights:
-            return sharding.weighted_shard_bounds(global_batch_size, list(self.shard_weights), self.rank)
+        if self.shard_span:
+            return sharding.span_shard_bounds(global_batch_size, self.shard_span[0], self.shard_span[1], self.rank,
+                                              len(self.members))
         return sharding.shard_bounds(global_batch_size, self.rank, self.world_size)

@@ -46,25 +46,28 @@ def shard(step: int, dataset_size: int, global_batch_size: int, seed: int, rank:
     return global_batch(step, dataset_size, global_batch_size, seed)[offset : offset + count]
 
 
-def weighted_shard_bounds(global_batch_size: int, weights: list[float], rank: int) -> tuple[int, int]:
-    """(offset, count) of rank's contiguous slice when shares follow ``weights`` (available mode).
+def span_shard_bounds(global_batch_size: int, start: float, end: float, rank: int, world_size: int) -> tuple[int, int]:
+    """(offset, count) of rank's contiguous slice when its share of the batch is the span
+    [start, end) of [0, 1] (available mode: the coordinator hands each member its own span, so a
+    grant is O(1) whatever the quorum's size). One sample each first, the rest by span; a boundary
+    is rounded from the one float two neighbours share (one's end is the next one's start), so
+    the slices tile the global batch exactly once, and the last span ends at exactly 1.0."""
+    n = world_size
+    if not 1 <= n <= global_batch_size or not 0 <= rank < n or not 0.0 <= start <= end <= 1.0:
+        raise ValueError(f"cannot take span [{start}, {end}) of a batch of {global_batch_size} for rank {rank} of {n}")
+    spare = global_batch_size - n
+    offset = rank + int(spare * start + 0.5)
+    return offset, rank + 1 + int(spare * end + 0.5) - offset
 
-    Counts are whole samples that sum to the global batch exactly (largest remainder, ties to the
-    lower rank), and every member gets at least one, so the batch is still covered exactly once.
-    """
-    n = len(weights)
-    if n < 1 or n > global_batch_size or not 0 <= rank < n or any(w <= 0 for w in weights):
+
+def weighted_shard_bounds(global_batch_size: int, weights: list[float], rank: int) -> tuple[int, int]:
+    """(offset, count) of rank's slice when shares follow ``weights``: :func:`span_shard_bounds`
+    on the spans the coordinator would hand out (membership/policy.shard_spans does the same sum)."""
+    if any(w <= 0 for w in weights) or not 0 <= rank < len(weights):
         raise ValueError(f"cannot split a batch of {global_batch_size} by weights {weights} for rank {rank}")
-    spare = global_batch_size - n  # one sample each first, the rest by weight
-    total = sum(weights)
-    exact = [spare * w / total for w in weights]
-    counts = [1 + int(x) for x in exact]
-    left = global_batch_size - sum(counts)
-    order = sorted(range(n), key=lambda i: (-(exact[i] - int(exact[i])), i))
-    for i in order[:left]:
-        counts[i] += 1
-    assert sum(counts) == global_batch_size, "shares cover the global batch exactly"
-    return sum(counts[:rank]), counts[rank]
+    total, before = sum(weights), sum(weights[:rank])
+    end = 1.0 if rank == len(weights) - 1 else (before + weights[rank]) / total
+    return span_shard_bounds(global_batch_size, before / total, end, rank, len(weights))
 
 
 def samples_exactly_once(commits: "list[tuple[int, bool]]", total_steps: int, dataset_size: int,

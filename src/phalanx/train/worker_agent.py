@@ -190,7 +190,7 @@ class WorkerAgent(Healing):
                 return
             a = Assignment(m.step, m.quorum_id, self._members[1], m.rank, m.heal_from, m.heal_address,
                            tuple(m.heal_targets), m.restore_checkpoint, m.write_checkpoint,
-                           tuple(m.shard_weights), m.local_step, m.catch_up)
+                           tuple(m.shard_span), m.local_step, m.catch_up)
             self.max_quorum_id_seen = a.quorum_id
             if self._assignment is not None and not self._assignment.done():
                 self._assignment.set_result(a)
