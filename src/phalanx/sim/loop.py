@@ -257,7 +257,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
                     except (SystemExit, KeyboardInterrupt):
                         raise
                     except BaseException as exc:
-                        self.call_exception_handler({"message": f"Exception in callback {call[0]!r}", "exception": exc})
+                        self.call_exception_handler({"message": f"Exception in callback {call[0] if call else call!r}", "exception": exc})
                     if self._stopping:
                         ran = due.index(timer) + 1  # timers compare by identity
                         self.timer_events += ran - skipped
@@ -272,7 +272,7 @@ class VirtualTimeLoop(asyncio.AbstractEventLoop):
                 except (SystemExit, KeyboardInterrupt):
                     raise
                 except BaseException as exc:
-                    self.call_exception_handler({"message": f"Exception in callback {call[0]!r}", "exception": exc})
+                    self.call_exception_handler({"message": f"Exception in callback {call[0] if call else call!r}", "exception": exc})
                 if self._stopping:
                     return
             if self._stopping:  # stopped before it ran: one round, as an asyncio loop does
