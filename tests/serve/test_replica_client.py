@@ -7,8 +7,13 @@ import time
 
 import pytest
 
-from phalanx.serve.replica_client import ReplicaConnections, ReplicaProtocolError
+from phalanx.core import event_loop
+from phalanx.serve.asgi_server import has_fast_pair
+from phalanx.serve.replica_client import Abandoned, ReplicaConnections, ReplicaProtocolError
 from phalanx.serve.request_auth import NonceWindow, check_request
+
+# the router runs on uvloop when installed (its transports are not asyncio.Transport instances): both loops
+LOOPS = ["asyncio"] + (["uvloop"] if has_fast_pair() else [])
 
 
 async def _server(handler):
@@ -23,7 +28,8 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[bytes, dict[bytes
     return lines[0], headers, await reader.readexactly(int(headers[b"content-length"]))
 
 
-def test_requests_are_signed_and_reuse_one_connection():
+@pytest.mark.parametrize("loop", LOOPS)
+def test_requests_are_signed_and_reuse_one_connection(loop):
     token, seen, connections = b"k" * 32, NonceWindow(), []
 
     async def handler(reader, writer):
@@ -46,12 +52,13 @@ def test_requests_are_signed_and_reuse_one_connection():
         server.close()
         return rs
 
-    rs = asyncio.run(run())
+    rs = event_loop.run(run(), loop)
     assert [r.body for r in rs] == [b'{"ok": true}'] * 3 and rs[0].headers["x-phalanx-model-version"] == "v1"
     assert len(connections) == 1  # kept alive
 
 
-def test_chunked_answers_are_reassembled_and_a_connection_closed_while_idle_is_replaced():
+@pytest.mark.parametrize("loop", LOOPS)
+def test_chunked_answers_are_reassembled_and_a_connection_closed_while_idle_is_replaced(loop):
     async def handler(reader, writer):
         await _read_request(reader)
         writer.write(b"HTTP/1.1 400 Bad\r\ntransfer-encoding: chunked\r\n\r\n3\r\n{\"a\r\n5\r\n\": 1}\r\n0\r\n\r\n")
@@ -67,11 +74,12 @@ def test_chunked_answers_are_reassembled_and_a_connection_closed_while_idle_is_r
         server.close()
         return first, second
 
-    first, second = asyncio.run(run())
+    first, second = event_loop.run(run(), loop)
     assert first.status == 400 and first.body == b'{"a": 1}' and second.body == first.body
 
 
-def test_garbage_and_refused_connections_raise_typed_errors():
+@pytest.mark.parametrize("loop", LOOPS)
+def test_garbage_and_refused_connections_raise_typed_errors(loop):
     async def handler(reader, writer):
         await _read_request(reader)
         writer.write(b"SMTP ready\r\n\r\n")
@@ -87,4 +95,62 @@ def test_garbage_and_refused_connections_raise_typed_errors():
         with pytest.raises(ConnectionRefusedError):
             await ReplicaConnections(f"http://127.0.0.1:{port}", None).post("/x", b"{}", 5)
 
-    asyncio.run(run())
+    event_loop.run(run(), loop)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_answer_in_small_pieces_is_parsed_whole_and_a_body_until_close_is_read_to_the_end(loop):
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\nx-phalanx-model-version: v2\r\n\r\n{\"ok\": true}"
+
+    async def pieces(reader, writer):
+        await _read_request(reader)
+        for i in range(0, len(answer), 7):  # the head split mid-line, the body split too
+            writer.write(answer[i:i + 7])
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        await _read_request(reader)  # kept alive: the second request comes on this connection
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil the end")
+        await writer.drain()
+        writer.close()
+
+    async def run():
+        server, port = await _server(pieces)
+        c = ReplicaConnections(f"http://127.0.0.1:{port}", None)
+        first = await c.post("/x", b"{}", 5)
+        second = await c.post("/x", b"{}", 5)
+        server.close()
+        return first, second, len(c.idle)
+
+    first, second, idle = event_loop.run(run(), loop)
+    assert (first.status, first.body, first.headers["x-phalanx-model-version"]) == (200, b'{"ok": true}', "v2")
+    assert second.body == b"until the end" and idle == 0  # "connection: close": not pooled
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_request_is_abandoned_when_the_caller_says_so_and_its_connection_closes(loop):
+    seen: list[bytes] = []
+
+    async def silent(reader, writer):  # reads the request, never answers, records the close
+        await _read_request(reader)
+        seen.append(await reader.read())  # b"" once the client closes
+
+    async def run():
+        server, port = await _server(silent)
+        c = ReplicaConnections(f"http://127.0.0.1:{port}", None)
+        give_up_at = time.monotonic() + 0.2
+        t0 = time.monotonic()
+        with pytest.raises(Abandoned):
+            await c.post("/x", b"{}", 30, abandon=lambda: time.monotonic() >= give_up_at)
+        waited_s = time.monotonic() - t0
+        for _ in range(200):  # bounded: the server sees the close
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        closes = list(seen)
+        with pytest.raises(TimeoutError):  # and without abandon, the deadline still holds
+            await c.post("/x", b"{}", 0.2)
+        server.close()
+        return waited_s, closes, len(c.idle)
+
+    waited_s, closes, idle = event_loop.run(run(), loop)
+    assert 0.2 <= waited_s < 20 and closes == [b""] and idle == 0

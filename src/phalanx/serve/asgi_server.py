@@ -98,6 +98,12 @@ def coalescing_httptools() -> type[asyncio.Protocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
 
+        def on_response_complete(self) -> None:
+            # the whole answer is written: it leaves now, not after the rest of this loop iteration (the
+            # handler's own cleanup, other ready callbacks, a poll); a stream's chunks still coalesce per iteration
+            self.transport.flush()  # type: ignore[attr-defined]
+            super().on_response_complete()
+
     return CoalescingHttpToolsProtocol
 
 

@@ -218,7 +218,7 @@ def serve_forever(replicas: list[ReplicaProcess], cfg: RouterConfig, port: int, 
     async def main() -> None:
         server = uvicorn.Server(uvicorn.Config(build_router_app(router, api_key), log_level="warning", lifespan="on",
                                                timeout_keep_alive=30, timeout_graceful_shutdown=5,
-                                               http=http_impl("auto")))
+                                               http=http_impl("auto"), proxy_headers=False))
         driver = follower = None
         if follow is not None:
             from phalanx.serve.rollout import follow_run

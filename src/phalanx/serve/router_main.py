@@ -35,7 +35,8 @@ async def _serve(args: argparse.Namespace) -> None:
     router = Router(urls, cfg, seed=args.seed, token=read_token_file(args.token_file))
     sock = bind_loopback(args.port, args.host)
     server = uvicorn.Server(uvicorn.Config(build_router_app(router, args.api_key or None), log_level="warning",
-                                           lifespan="on", http=http_impl(args.event_loop)))
+                                           lifespan="on", http=http_impl(args.event_loop),
+                                           proxy_headers=False))  # no proxy in front: skip X-Forwarded-* per request
     task = asyncio.create_task(server.serve(sockets=[sock]))
     for _ in range(1000):
         if server.started or task.done():
