@@ -39,6 +39,9 @@ def test_p2c_latency_avoids_the_slow_replica_that_p2c_queue_keeps_feeding():
     ([False, True], [0, 0], frozenset(), "r1"),
     ([True, True], [5.0, 0], frozenset(), "r1"),  # r0 ejected until t=5
     ([True, False], [0, 0], frozenset({"r0"}), None),
+    ([True, False], [5.0, 0], frozenset(), "r0"),  # the only healthy one is ejected: it still serves (panic routing)
+    ([True, True], [5.0, 5.0], frozenset({"r0"}), "r1"),  # all ejected: the one not yet tried
+    ([False, False], [0, 0], frozenset(), None),
 ])
 def test_choice_skips_unhealthy_ejected_and_excluded(healthy, ejected_until, exclude, expect):
     reps = fleet(("r0", 0, 0.1), ("r1", 0, 0.1))

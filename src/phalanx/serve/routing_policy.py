@@ -138,6 +138,10 @@ def choose_replica(now: float, replicas: list[ReplicaStats], cfg: PolicyConfig, 
                    exclude: frozenset[str] = frozenset()) -> tuple[ReplicaStats | None, str]:
     cands = eligible(now, replicas, exclude)
     if not cands:
+        # Every healthy replica left is ejected: ejection is a preference, not a verdict (Envoy's panic
+        # routing), and a slow or failing replica still beats refusing the request with a 503.
+        cands = sorted((r for r in replicas if r.healthy and r.replica_id not in exclude), key=lambda r: r.replica_id)
+    if not cands:
         return None, "no healthy replica outside " + (",".join(sorted(exclude)) or "the ejected set")
     if cfg.policy is Policy.ROUND_ROBIN:
         r = cands[rr_index % len(cands)]
