@@ -93,16 +93,16 @@ class LocalProcessGroup:
 
 class TorchProcessGroup:
     def __init__(self, pg: Any, quorum_id: int, rank: int, world_size: int, graveyard: "_Graveyard",
-                 setting: str = "gloo", make_cuda: Any = None) -> None:
+                 make_cuda: Any = None) -> None:
         self._pg = pg  # Gloo, made when the quorum formed
         self.quorum_id, self.rank, self.world_size = quorum_id, rank, world_size
         self._graveyard = graveyard
         self._abandoned = False
-        self._setting = setting
-        self._make_cuda = make_cuda  # (device) -> (group, backend name) for this quorum's CUDA tensors
+        # (device) -> (group, backend name) for this quorum's CUDA tensors; None: Gloo carries them
+        # (PHALANX_BACKEND=gloo, or no CUDA here)
+        self._make_cuda = make_cuda
         self._cuda: Any = None
         self._lock = threading.Lock()  # the NCCL group is made once, from whichever thread asks first
-        self.backends_used: set[str] = set()
 
     async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
         await self.start_allreduce_sum(tensor).wait(timeout_s)
@@ -113,21 +113,21 @@ class TorchProcessGroup:
         if self._abandoned or pg is None:
             raise CollectiveError(f"process group of quorum {self.quorum_id} was abandoned")
         try:
-            if backend_for(self._setting, tensor.device.type) == "nccl":
-                pg, name = self._cuda_group(tensor.device)
-                self.backends_used.add(name)
-            else:
-                self.backends_used.add("gloo")
+            if self._make_cuda is not None and tensor.is_cuda:
+                pg = self._cuda_group(tensor.device)[0]
             return _TorchPending(self, pg.allreduce([tensor]))
         except RuntimeError as e:
             self.abandon()
             raise CollectiveError(f"all-reduce could not start in quorum {self.quorum_id}: {_short(e)}") from e
 
+    @property
+    def backends(self) -> list[str]:
+        """The backends this group has built: Gloo always, and what carries its CUDA tensors."""
+        return sorted({"gloo", self._cuda[1]} if self._cuda is not None else {"gloo"})
+
     def _cuda_group(self, device: Any) -> tuple[Any, str]:
         with self._lock:
             if self._cuda is None:
-                if self._make_cuda is None:
-                    raise RuntimeError("no NCCL group can be made here")
                 # every rank gets here at the same collective (ranks start collectives in the same
                 # order), so the store rendezvous below and NCCL's own find all of them
                 self._cuda = self._make_cuda(device)
@@ -276,7 +276,8 @@ class TorchProcessGroupFactory:
         import torch
         import torch.distributed as dist
 
-        backend_for(backend, "cpu")  # a bad setting is a ConfigError here, before any connection
+        # a bad setting is a ConfigError here, before any connection
+        self._nccl_ok = backend_for(backend, "cuda") == "nccl" and torch.cuda.is_available()
         self._dist = dist
         host, _, port = store_address.rpartition(":")
         self._store = dist.TCPStore(host, int(port), is_master=False,
@@ -287,8 +288,6 @@ class TorchProcessGroupFactory:
         # values signed and bound to this job and (through the key) the quorum; kept referenced
         # here: torch holds only the C++ half, and a collected Python store loses its methods
         self._signed = signed_store(self._store, token, run_id)
-        self.backend = backend
-        self._nccl_ok = backend == "auto" and torch.cuda.is_available()
         self._graveyard = _Graveyard(hold_s=2 * 60.0)
 
     async def create(self, quorum_id: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroup:
@@ -326,8 +325,7 @@ class TorchProcessGroupFactory:
             nccl_prefix = self._dist.PrefixStore(f"{self._namespace}/q{quorum_id}/nccl", self._signed)
             return self._dist.ProcessGroupNCCL(nccl_prefix, rank, world_size, self._nccl_options(timeout)), "nccl"
 
-        return TorchProcessGroup(pg, quorum_id, rank, world_size, self._graveyard, self.backend,
-                                 make_cuda if self._nccl_ok else None)
+        return TorchProcessGroup(pg, quorum_id, rank, world_size, self._graveyard, make_cuda if self._nccl_ok else None)
 
     def _nccl_options(self, timeout: datetime.timedelta) -> Any:
         opts = self._dist.ProcessGroupNCCL.Options()
