@@ -60,16 +60,6 @@ def span_shard_bounds(global_batch_size: int, start: float, end: float, rank: in
     return offset, rank + 1 + int(spare * end + 0.5) - offset
 
 
-def weighted_shard_bounds(global_batch_size: int, weights: list[float], rank: int) -> tuple[int, int]:
-    """(offset, count) of rank's slice when shares follow ``weights``: :func:`span_shard_bounds`
-    on the spans the coordinator would hand out (membership/policy.shard_spans does the same sum)."""
-    if any(w <= 0 for w in weights) or not 0 <= rank < len(weights):
-        raise ValueError(f"cannot split a batch of {global_batch_size} by weights {weights} for rank {rank}")
-    total, before = sum(weights), sum(weights[:rank])
-    end = 1.0 if rank == len(weights) - 1 else (before + weights[rank]) / total
-    return span_shard_bounds(global_batch_size, before / total, end, rank, len(weights))
-
-
 def samples_exactly_once(commits: "list[tuple[int, bool]]", total_steps: int, dataset_size: int,
                          global_batch_size: int, seed: int) -> bool:
     """The exactly-once tally, for real runs and the simulator: every step 0..total-1 committed
