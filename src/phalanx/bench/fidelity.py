@@ -5,6 +5,10 @@ faults of each kind: a single freeze's detection depends on where it falls betwe
 the JSON keeps every fault's own times).
 
     python -m phalanx.bench fidelity [--steps 360] [--min-step-s 0.05] [--out runs/bench/fidelity.json]
+                                     [--keep-runs DIR] [--no-group-build]
+
+A second table says where each run's time went (steps of an unchanged quorum by world size, first
+steps of a new quorum by the change), so a gap in the mean can be traced to the steps that carry it.
 """
 
 from __future__ import annotations
@@ -159,6 +163,68 @@ def rejoin_delays_s(events: list[dict[str, Any]]) -> list[float]:
     return out
 
 
+def _span_records(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted((run_dir / "workers").glob("w*.jsonl")):
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "span" in rec:
+                out.append(rec)
+    return out
+
+
+def group_build_gaps_s(commits: list[Any], spans: list[dict[str, Any]]) -> list[float]:
+    """For the first step of each new quorum (its quorum id differs from the step before's): the
+    time from the last member ready to build (its quorum wait, heal or heal serving done) to the
+    last member starting to compute. A worker builds the quorum's Gloo group in between (no span of
+    its own), and a real group forms only once every rank has arrived; in a step with an unchanged
+    quorum this interval is ~0 (the group is open). What ``CollectiveModel.group_build_s`` stands for."""
+    by_node_step: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in spans:
+        by_node_step.setdefault((r["node"], r["step"]), []).append(r)
+    out = []
+    for prev, c in zip(commits, commits[1:]):
+        qid, step = _field(c, "quorum_id"), _field(c, "step")
+        if qid == _field(prev, "quorum_id"):
+            continue
+        readies, starts = [], []
+        for m in _field(c, "members"):
+            recs = by_node_step.get((m, step), [])
+            compute = [r["mono"] for r in recs if r["span"] == "compute" and r.get("quorum_id") == qid]
+            if not compute:
+                break
+            ends = [r["mono"] + r["dur"] for r in recs if r["span"] in ("quorum_wait", "heal", "heal_serve")
+                    and r["mono"] + r["dur"] <= compute[0]]
+            if not ends:
+                break
+            readies.append(max(ends))
+            starts.append(compute[0])
+        else:
+            out.append(max(starts) - max(readies))
+    return out
+
+
+def step_budget(commits: list[Any]) -> dict[str, dict[str, float]]:
+    """Where a run's time went, step by step after the first five: steps of an unchanged quorum by
+    world size, and first steps of a new quorum (a kill's abort, a rejoin's heal and group build) by
+    the change in world size; count, total and mean of their step times (commit to commit)."""
+    out: dict[str, dict[str, float]] = {}
+    for i in range(5, len(commits)):
+        c, prev = commits[i], commits[i - 1]
+        n = len(_field(c, "members"))
+        key = (f"{n} workers, same quorum" if _field(c, "quorum_id") == _field(prev, "quorum_id")
+               else f"first step of a new quorum, {len(_field(prev, 'members'))} -> {n} workers")
+        b = out.setdefault(key, {"steps": 0, "total_s": 0.0})
+        b["steps"] += 1
+        b["total_s"] += _field(c, "step_s")
+    for b in out.values():
+        b["mean_s"] = b["total_s"] / b["steps"]
+    return dict(sorted(out.items()))
+
+
 def _calibrate(compute_s: float, allreduce_s: float, calib_step: float, process_exit_s: float) -> dict[str, float]:
     """The simulator's costs from the fault-free run's spans, step by step as a fault-free step runs
     now (the fast path): the next quorum's grant rides on the commit decision, so a step is the
@@ -182,9 +248,20 @@ def _simulate(steps: int, c: dict[str, float]) -> Any:
 
     return Cluster(workers=4, steps=steps, seed=1, plan=parse_fault_plan(PLAN, "<fidelity>"),
                    model_cfg=SimModelConfig(grad_buckets=1), step_compute_s=c["step_compute_s"], compute_jitter=0.05,
-                   collective=CollectiveModel(alpha_s=c["alpha_s"], beta_s_per_byte=0.0),
+                   collective=CollectiveModel(alpha_s=c["alpha_s"], beta_s_per_byte=0.0,
+                                              group_build_s=c.get("group_build_s", 0.0)),
                    link=LinkModel(latency_s=c["control_latency_s"], jitter_s=c["control_latency_s"] / 4),
                    process_exit_s=c["process_exit_s"], restart_delay_s=c["restart_delay_s"]).run()
+
+
+def _budget_table(budget: dict[str, dict[str, dict[str, float]]]) -> Table:
+    bt = Table(title="where the time went: steps after the first five (count, total s, mean s)")
+    for c in ("steps", "real", "simulated"):
+        bt.add_column(c)
+    for key in sorted(set(budget["real"]) | set(budget["simulated"])):
+        bt.add_row(key, *(f"{b['steps']:.0f} / {b['total_s']:.3f} / {b['mean_s']:.4f}" if (b := budget[side].get(key))
+                          else "-" for side in ("real", "simulated")))
+    return bt
 
 
 def main() -> int:
@@ -192,21 +269,32 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=360)
     ap.add_argument("--min-step-s", type=float, default=0.05, help="paced compute, as in the fault tests")
     ap.add_argument("--out", default="runs/bench/fidelity.json")
+    ap.add_argument("--no-group-build", dest="group_build", action="store_false",
+                    help="simulate without the measured group build cost (as before session 15)")
+    ap.add_argument("--keep-runs", default="", help="keep the real runs' dirs (calib/, real/) under this folder")
     args = ap.parse_args()
     console = Console(stderr=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = args.keep_runs or tmp_dir
         console.print("real, fault-free (calibration) ...")
         calib = _run(args.steps, Path(tmp) / "calib", args.min_step_s)
         compute_s = statistics.median(_spans(Path(tmp) / "calib", "compute"))
         allreduce_s = statistics.median(_spans(Path(tmp) / "calib", "allreduce"))
         console.print("real, kill + freeze ...")
         real = _run(args.steps, Path(tmp) / "real", args.min_step_s, PLAN)
+        real_spans = _span_records(Path(tmp) / "real")
     calib_step = _median_step(calib.commits)
     assert calib_step is not None, "the calibration run committed too few steps"
     calibration = _calibrate(compute_s, allreduce_s, calib_step, probe_process_exit_s(args.min_step_s))
     # the simulator's default is 2 s; a real restart here takes what the run's events say
     rejoins = rejoin_delays_s(list(real.events))
     calibration["restart_delay_s"] = statistics.median(rejoins) if rejoins else 2.0
+    # a new quorum's group build, from the same run's spans (the fault-free run builds one group,
+    # at step 0, in its warm-up); the simulator's rendezvous already charges two alphas of it
+    builds = group_build_gaps_s(list(real.commits), real_spans)
+    calibration["group_build_measured_s"] = statistics.median(builds) if builds else 0.0
+    calibration["group_build_s"] = (max(0.0, calibration["group_build_measured_s"] - 2 * calibration["alpha_s"])
+                                    if args.group_build else 0.0)
     sim_result = _simulate(args.steps, calibration)
     sim = sim_result.summary
     # A run with six kills spends ~40 % of its steps with three workers (a restarted process takes
@@ -233,10 +321,12 @@ def main() -> int:
         t.add_row(name, f"{r:.4f}" if r is not None else "-", f"{s:.4f}" if s is not None else "-",
                   f"{ratio:.2f}" if ratio else "-")
     console.print(t)
+    budget = {"real": step_budget(list(real.commits)), "simulated": step_budget(list(sim_commits))}
+    console.print(_budget_table(budget))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"calibration": {"compute_s": compute_s, "allreduce_s": allreduce_s, **calibration},
-                               "rows": table,
+                               "rows": table, "step_budget": budget, "group_build_gaps_s": builds,
                                "faults": {side: [{k: f.get(k) for k in ("kind", "worker", "at_step", "detected_after_s",
                                                                         "recovered_after_s")} for f in faults]
                                           for side, faults in (("real", real.faults), ("simulated", sim["faults"]))}},

@@ -26,6 +26,11 @@ class CollectiveModel:
     algorithm: str = "ring"  # ring | tree
     alpha_s: float = 20e-6  # per-message latency term
     beta_s_per_byte: float = 1 / 1.25e9  # inverse bandwidth
+    # Building a quorum's group, beyond the two alphas of the store rendezvous: a real Gloo group
+    # connects every pair of ranks once every rank has arrived (torch's new group over a TCPStore).
+    # Charged once per quorum id, on its group's first collective, which waits for the last rank
+    # as the real rendezvous does. 0 (the default): not charged (the sweeps' model).
+    group_build_s: float = 0.0
 
     def allreduce_s(self, world: int, nbytes: int) -> float:
         if world <= 1:
@@ -78,6 +83,7 @@ class _Group:
         self.quorum_id, self.world = quorum_id, world
         self.ops: dict[int, _Op] = {}
         self.busy_until_s = 0.0  # the group's links carry one collective at a time
+        self.built = False  # its build cost (CollectiveModel.group_build_s) is charged once, first
 
 
 class SimProcessGroupFactory:
@@ -156,7 +162,12 @@ class SimProcessGroup:
         nbytes = int(self.shared.cost_bytes * op.share) if self.shared.cost_bytes else members[0][0].nbytes
         self.shared.collectives += 1
         loop = asyncio.get_running_loop()
-        done_at = max(op.last_arrival_s, g.busy_until_s) + self.shared.model.allreduce_s(self.world_size, nbytes)
+        model = self.shared.model
+        # the group's first collective starts once every rank is there: that is when a real group
+        # finishes connecting, so the build is charged then, once per quorum id
+        build_s = 0.0 if g.built else model.group_build_s
+        g.built = True
+        done_at = max(op.last_arrival_s, g.busy_until_s) + build_s + model.allreduce_s(self.world_size, nbytes)
         g.busy_until_s = done_at
 
         def finish() -> None:

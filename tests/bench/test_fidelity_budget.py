@@ -1,0 +1,50 @@
+"""The fidelity benchmark's readings of a real run: the group build gap of each new quorum (from
+the workers' spans) and where the time went, step by step (from the commits)."""
+
+import pytest
+
+from phalanx.bench.fidelity import group_build_gaps_s, step_budget
+
+
+def _commit(step, qid, members, step_s=0.1):
+    return {"step": step, "quorum_id": qid, "members": members, "step_s": step_s}
+
+
+def _span(node, name, step, mono, dur, qid=None):
+    return {"node": node, "span": name, "step": step, "mono": mono, "dur": dur,
+            **({"quorum_id": qid} if qid is not None else {})}
+
+
+def test_group_build_gap_runs_from_the_last_member_ready_to_the_last_member_computing():
+    commits = [_commit(9, 1, ["w0", "w1"]), _commit(10, 2, ["w0", "w1", "w2"]), _commit(11, 2, ["w0", "w1", "w2"])]
+    spans = [
+        _span("w0", "quorum_wait", 10, 1.00, 0.01, 2), _span("w0", "heal_serve", 10, 1.00, 0.03),
+        _span("w1", "quorum_wait", 10, 1.00, 0.00, 2),
+        _span("w2", "heal", 10, 1.00, 0.05, 2),  # the joiner heals last: ready at 1.05
+        _span("w0", "compute", 10, 1.07, 0.05, 2), _span("w1", "compute", 10, 1.06, 0.05, 2),
+        _span("w2", "compute", 10, 1.08, 0.05, 2),  # the last starts at 1.08
+        # step 11 keeps quorum 2: not a build
+        _span("w0", "quorum_wait", 11, 1.20, 0.0, 2), _span("w0", "compute", 11, 1.30, 0.05, 2),
+    ]
+    assert group_build_gaps_s(commits, spans) == [pytest.approx(0.03)]
+
+
+def test_group_build_gap_ignores_spans_of_an_aborted_attempt_and_members_without_spans():
+    commits = [_commit(4, 1, ["w0", "w1"]), _commit(5, 3, ["w0", "w1"]), _commit(6, 4, ["w0", "w9"])]
+    spans = [
+        _span("w0", "compute", 5, 0.50, 0.05, 2),  # quorum 2's attempt, rolled back
+        _span("w0", "quorum_wait", 5, 0.60, 0.01, 3), _span("w1", "quorum_wait", 5, 0.60, 0.02, 3),
+        _span("w0", "compute", 5, 0.64, 0.05, 3), _span("w1", "compute", 5, 0.63, 0.05, 3),
+        _span("w0", "quorum_wait", 6, 0.80, 0.0, 4), _span("w0", "compute", 6, 0.81, 0.05, 4),  # w9 left none
+    ]
+    assert group_build_gaps_s(commits, spans) == [pytest.approx(0.64 - 0.62)]
+
+
+def test_step_budget_splits_same_quorum_steps_by_world_and_new_quorums_by_change():
+    commits = [_commit(s, 1, ["w0", "w1"], 9.0) for s in range(5)]  # the first five are skipped
+    commits += [_commit(5, 1, ["w0", "w1"], 0.1), _commit(6, 2, ["w0"], 0.5), _commit(7, 2, ["w0"], 0.2),
+                _commit(8, 2, ["w0"], 0.4)]
+    b = step_budget(commits)
+    assert b["2 workers, same quorum"] == {"steps": 1, "total_s": pytest.approx(0.1), "mean_s": pytest.approx(0.1)}
+    assert b["first step of a new quorum, 2 -> 1 workers"]["total_s"] == pytest.approx(0.5)
+    assert b["1 workers, same quorum"] == {"steps": 2, "total_s": pytest.approx(0.6), "mean_s": pytest.approx(0.3)}
