@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from phalanx.core.errors import ConfigError, FinalStateUnavailable
-from phalanx.train import sharding
+from phalanx.train import host_memory, sharding
 from phalanx.train.faults_in_process import InProcessFaults
 from phalanx.train.grad_buckets import DEFAULT_BUCKET_BYTES, GradientBuckets, copy_back, coverage_tail, start_gradients
 from phalanx.train.step_buffer import TailLayout, expected_coverage
@@ -185,6 +185,9 @@ class Job:
             self._buckets.close()
             self._buckets = None
         self.model, self.optimizer = model, optimizer
+        cpu_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu"]
+        if cpu_bytes:  # the optimizer's temporaries come from malloc each step (train/host_memory.py)
+            self._spans.event("host_memory", detail=host_memory.tune_for_tensors(max(cpu_bytes)))
         if overlap and self.mode != "local-sgd":
             self._buckets = GradientBuckets(list(model.parameters()), bucket_bytes)
         if optimizer is not None:
