@@ -3,7 +3,7 @@ the workers' spans) and where the time went, step by step (from the commits)."""
 
 import pytest
 
-from phalanx.bench.fidelity import group_build_gaps_s, step_budget
+from phalanx.bench.fidelity import decision_spread_s, group_build_gaps_s, step_budget
 
 
 def _commit(step, qid, members, step_s=0.1):
@@ -48,3 +48,19 @@ def test_step_budget_splits_same_quorum_steps_by_world_and_new_quorums_by_change
     assert b["2 workers, same quorum"] == {"steps": 1, "total_s": pytest.approx(0.1), "mean_s": pytest.approx(0.1)}
     assert b["first step of a new quorum, 2 -> 1 workers"]["total_s"] == pytest.approx(0.5)
     assert b["1 workers, same quorum"] == {"steps": 2, "total_s": pytest.approx(0.6), "mean_s": pytest.approx(0.3)}
+
+
+def test_decision_spread_is_how_far_apart_the_members_committed_all_reduce_spans_end():
+    commits = [_commit(s, 1, ["w0", "w1"]) for s in range(7)] + [_commit(7, 2, ["w0", "w1", "w2"])]
+    spans = [
+        {**_span("w0", "allreduce", 5, 1.00, 0.02, 1), "commit": True},  # ends 1.02
+        {**_span("w1", "allreduce", 5, 1.01, 0.025, 1), "commit": True},  # ends 1.035: 15 ms later
+        {**_span("w0", "allreduce", 6, 2.00, 0.02, 1), "commit": True},
+        {**_span("w1", "allreduce", 6, 2.00, 0.021, 1), "commit": True},  # 1 ms
+        {**_span("w0", "allreduce", 6, 1.90, 0.5, 1), "commit": False},  # an aborted attempt: not a decision
+        # step 7 is a new quorum's first step (a build, a heal): not counted
+        {**_span("w0", "allreduce", 7, 3.0, 0.02, 2), "commit": True},
+        {**_span("w1", "allreduce", 7, 3.0, 0.09, 2), "commit": True},
+        {**_span("w2", "allreduce", 7, 3.0, 0.02, 2), "commit": True},
+    ]
+    assert decision_spread_s(commits, spans) == {2: pytest.approx(0.008)}

@@ -120,19 +120,6 @@ def _mean(xs: list[Any]) -> float | None:
     return statistics.mean(xs) if xs else None
 
 
-def _spans(run_dir: Path, name: str) -> list[float]:
-    out = []
-    for f in sorted((run_dir / "workers").glob("w*.jsonl")):
-        for line in f.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("span") == name:
-                out.append(float(rec["dur"]))
-    return out
-
-
 def _field(c: Any, name: str) -> Any:
     return getattr(c, name) if hasattr(c, name) else c[name]
 
@@ -207,6 +194,23 @@ def group_build_gaps_s(commits: list[Any], spans: list[dict[str, Any]]) -> list[
     return out
 
 
+def decision_spread_s(commits: list[Any], spans: list[dict[str, Any]]) -> dict[int, float]:
+    """Median, by world size, over steps of an unchanged quorum after the first five, of how far
+    apart the members' all-reduce spans end (each ends when that worker has the commit decision,
+    sent to all at once): the fault-free run's few ms, against the fault run's (session 15: one
+    member per quorum episode ~15 ms late, while a dead quorum's Gloo thread spun in its process)."""
+    ends: dict[tuple[int, int], list[float]] = {}
+    for r in spans:
+        if r["span"] == "allreduce" and r.get("commit"):
+            ends.setdefault((r["step"], r.get("quorum_id", -1)), []).append(r["mono"] + r["dur"])
+    by_world: dict[int, list[float]] = {}
+    for prev, c in zip(commits[4:], commits[5:]):
+        n, e = len(_field(c, "members")), ends.get((_field(c, "step"), _field(c, "quorum_id")), [])
+        if _field(c, "quorum_id") == _field(prev, "quorum_id") and n > 1 and len(e) == n:
+            by_world.setdefault(n, []).append(max(e) - min(e))
+    return {n: statistics.median(v) for n, v in sorted(by_world.items())}
+
+
 def step_budget(commits: list[Any]) -> dict[str, dict[str, float]]:
     """Where a run's time went, step by step after the first five: steps of an unchanged quorum by
     world size, and first steps of a new quorum (a kill's abort, a rejoin's heal and group build) by
@@ -264,7 +268,7 @@ def _budget_table(budget: dict[str, dict[str, dict[str, float]]]) -> Table:
     return bt
 
 
-def main() -> int:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=360)
     ap.add_argument("--min-step-s", type=float, default=0.05, help="paced compute, as in the fault tests")
@@ -272,17 +276,29 @@ def main() -> int:
     ap.add_argument("--no-group-build", dest="group_build", action="store_false",
                     help="simulate without the measured group build cost (as before session 15)")
     ap.add_argument("--keep-runs", default="", help="keep the real runs' dirs (calib/, real/) under this folder")
-    args = ap.parse_args()
-    console = Console(stderr=True)
+    return ap.parse_args()
+
+
+def _real_runs(args: argparse.Namespace, console: Console) -> tuple[Any, Any, list[Any], list[Any]]:
+    """The fault-free (calibration) run and the fault run, with all their workers' spans."""
     with tempfile.TemporaryDirectory() as tmp_dir:
-        tmp = args.keep_runs or tmp_dir
+        tmp = Path(args.keep_runs or tmp_dir)
         console.print("real, fault-free (calibration) ...")
-        calib = _run(args.steps, Path(tmp) / "calib", args.min_step_s)
-        compute_s = statistics.median(_spans(Path(tmp) / "calib", "compute"))
-        allreduce_s = statistics.median(_spans(Path(tmp) / "calib", "allreduce"))
+        calib = _run(args.steps, tmp / "calib", args.min_step_s)
+        calib_spans = _span_records(tmp / "calib")
         console.print("real, kill + freeze ...")
-        real = _run(args.steps, Path(tmp) / "real", args.min_step_s, PLAN)
-        real_spans = _span_records(Path(tmp) / "real")
+        real = _run(args.steps, tmp / "real", args.min_step_s, PLAN)
+        return calib, real, calib_spans, _span_records(tmp / "real")
+
+
+def main() -> int:
+    args = _args()
+    console = Console(stderr=True)
+    calib, real, calib_spans, real_spans = _real_runs(args, console)
+    compute_s = statistics.median(r["dur"] for r in calib_spans if r["span"] == "compute")
+    allreduce_s = statistics.median(r["dur"] for r in calib_spans if r["span"] == "allreduce")
+    spread = {"fault-free": decision_spread_s(list(calib.commits), calib_spans),
+              "faults": decision_spread_s(list(real.commits), real_spans)}
     calib_step = _median_step(calib.commits)
     assert calib_step is not None, "the calibration run committed too few steps"
     calibration = _calibrate(compute_s, allreduce_s, calib_step, probe_process_exit_s(args.min_step_s))
@@ -323,10 +339,13 @@ def main() -> int:
     console.print(t)
     budget = {"real": step_budget(list(real.commits)), "simulated": step_budget(list(sim_commits))}
     console.print(_budget_table(budget))
+    console.print("commit decision's spread over members (median, by world size, ms): " + "; ".join(
+        f"{run} " + ", ".join(f"{n}: {1e3 * v:.1f}" for n, v in by.items()) for run, by in spread.items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"calibration": {"compute_s": compute_s, "allreduce_s": allreduce_s, **calibration},
                                "rows": table, "step_budget": budget, "group_build_gaps_s": builds,
+                               "decision_spread_s": spread,
                                "faults": {side: [{k: f.get(k) for k in ("kind", "worker", "at_step", "detected_after_s",
                                                                         "recovered_after_s")} for f in faults]
                                           for side, faults in (("real", real.faults), ("simulated", sim["faults"]))}},
