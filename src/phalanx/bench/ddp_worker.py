@@ -1,6 +1,10 @@
 """Plain torch DDP (Gloo) on a benchmark workload and the same global batches: the baseline peer.
 
-    python -m phalanx.bench.ddp_worker RANK WORLD STORE_PORT STEPS OUT_JSON [WORKLOAD]
+    python -m phalanx.bench.ddp_worker RANK WORLD STORE_PORT STEPS OUT_JSON [WORKLOAD] [tuned|default]
+
+``tuned`` (the default) sets glibc's malloc thresholds exactly as ``job.track()`` does for phalanx's
+workers (train/host_memory.py), so the comparison measures the protocols, not which process
+glibc's dynamic thresholds happened to favour; ``default`` leaves glibc's rule, as plain DDP runs.
 """
 
 from __future__ import annotations
@@ -16,16 +20,19 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.bench.workloads import build
-from phalanx.train import sharding
+from phalanx.train import host_memory, sharding
 
 
 def main() -> None:
     rank, world, port, steps, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     name = sys.argv[6] if len(sys.argv) > 6 else "charlm"
+    malloc = sys.argv[7] if len(sys.argv) > 7 else "tuned"
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     w = build(name)
+    if malloc == "tuned":
+        host_memory.tune_for_tensors(max(p.numel() * p.element_size() for p in w.model.parameters()))
     model = DistributedDataParallel(w.model)
     marks = []
     for step in range(steps):

@@ -3,13 +3,19 @@ one run with alternating repeats, on the bundled model and MLPs of ~6 M and ~25 
 2 and 4 workers; then detection and recovery times for kill, freeze and GIL hang.
 
     python -m phalanx.bench training [--workloads charlm,mlp-6m,mlp-25m] [--workers 2,4]
-                                     [--repeats 3] [--out runs/bench/training.json]
+                                     [--repeats 3] [--ddp-malloc tuned|both]
+                                     [--out runs/bench/training.json]
 
 Both sides run the same model, batches and optimizer, one thread per process. A step's time is the
 cluster's: DDP's rank-0 loop (loop top to loop top; DDP's ranks move in lockstep) and phalanx's
 commit-to-commit interval, median after a warm-up. Each repeat
 runs the three systems back to back in a rotating order, so the machine's noise hits all of them;
 a ratio is phalanx / DDP within one repeat, and every pair is reported.
+
+Both sides' processes get the same glibc malloc thresholds (train/host_memory.py: ``job.track()``
+sets them for phalanx's workers, the DDP worker sets the same), so the ratio is the protocols' cost.
+``--ddp-malloc both`` adds plain DDP with glibc's own rule ("ddp-glibc"), as a user runs it: at
+25 M parameters its optimizer's temporaries are mapped and faulted in again every step.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from phalanx.runtime.launcher import LaunchConfig, launch, python_argv
 WARMUP_STEPS = 5
 STEPS = {"charlm": 60, "mlp-6m": 40, "mlp-25m": 25}
 SYSTEMS = ("ddp", "strict", "available")
+PHALANX_SYSTEMS = ("strict", "available")
 FAULTS = {
     "kill": '[[fault]]\nkind = "kill"\nworker = 1\nat_step = 30\nrestart = true\n',
     "freeze": '[[fault]]\nkind = "freeze"\nworker = 2\nat_step = 30\nfor_s = 3.0\n',
@@ -42,14 +49,14 @@ FAULTS = {
 }
 
 
-def run_ddp(workers: int, steps: int, workload: str = "charlm") -> list[float]:
+def run_ddp(workers: int, steps: int, workload: str = "charlm", malloc: str = "tuned") -> list[float]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
         procs = [subprocess.Popen([sys.executable, "-m", "phalanx.bench.ddp_worker", str(r), str(workers),
-                                   str(store.port), str(steps), str(out), workload]) for r in range(workers)]
+                                   str(store.port), str(steps), str(out), workload, malloc]) for r in range(workers)]
         for p in procs:
             if p.wait(timeout=900) != 0:
                 raise RuntimeError(f"DDP worker exited with {p.returncode}")
@@ -83,28 +90,29 @@ def _spread(xs: list[float]) -> str:
 
 
 def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: Console, tmp: Path,
-            on_row: Any = None) -> list[dict[str, Any]]:
+            on_row: Any = None, systems: tuple[str, ...] = SYSTEMS) -> list[dict[str, Any]]:
     rows = []
-    total = len(workloads) * len(worker_counts) * repeats * len(SYSTEMS)
+    total = len(workloads) * len(worker_counts) * repeats * len(systems)
     done = 0
     for name in workloads:
         for n in worker_counts:
-            med: dict[str, list[float]] = {s: [] for s in SYSTEMS}
-            retries: dict[str, list[int]] = {s: [] for s in SYSTEMS[1:]}
+            med: dict[str, list[float]] = {s: [] for s in systems}
+            retries: dict[str, list[int]] = {s: [] for s in PHALANX_SYSTEMS}
             for r in range(repeats):
-                order = SYSTEMS[r % 3:] + SYSTEMS[: r % 3]  # rotate who goes first
+                k = r % len(systems)
+                order = systems[k:] + systems[:k]  # rotate who goes first
                 for system in order:
                     done += 1
                     con.print(f"[{done}/{total}] {name}, {n} workers, repeat {r + 1}: {system}")
                     steps = STEPS.get(name, 40)
-                    if system == "ddp":
-                        step_s = run_ddp(n, steps, name)
+                    if system in ("ddp", "ddp-glibc"):
+                        step_s = run_ddp(n, steps, name, "tuned" if system == "ddp" else "default")
                     else:
                         step_s, retried = _phalanx_step_s(n, steps, tmp / f"{name}-{n}-{system}-{r}", name, system)
                         retries[system].append(retried)
                     med[system].append(statistics.median(step_s[WARMUP_STEPS:]))
             row: dict[str, Any] = {"workload": name, "workers": n, "median_step_s": med, "steps_retried": retries}
-            for system in SYSTEMS[1:]:
+            for system in [s for s in systems if s != "ddp"]:
                 ratios = [p / d for p, d in zip(med[system], med["ddp"])]
                 row[f"{system}_ratios"] = ratios
                 row[f"{system}_ratio_median"] = statistics.median(ratios)
@@ -120,6 +128,8 @@ def main() -> int:
     ap.add_argument("--workers", default="2,4", help="comma-separated worker counts")
     ap.add_argument("--repeats", type=int, default=3, help="alternating DDP/strict/available rounds")
     ap.add_argument("--no-faults", action="store_true", help="skip the detection/recovery runs")
+    ap.add_argument("--ddp-malloc", choices=("tuned", "both"), default="tuned",
+                    help="both: also run plain DDP under glibc's own malloc thresholds (ddp-glibc)")
     ap.add_argument("--out", default="runs/bench/training.json")
     args = ap.parse_args()
     con = Console(stderr=True)
@@ -135,7 +145,8 @@ def main() -> int:
             out.write_text(json.dumps({"command": "python -m phalanx.bench training " + " ".join(sys.argv[1:]),
                                        "partial": True, "rows": rows}, indent=2))
 
-        rows = compare(workloads, counts, args.repeats, con, Path(tmp), save)
+        systems = SYSTEMS + (("ddp-glibc",) if args.ddp_malloc == "both" else ())
+        rows = compare(workloads, counts, args.repeats, con, Path(tmp), save, systems)
         faults = {}
         if not args.no_faults:
             for kind, text in FAULTS.items():
@@ -146,15 +157,15 @@ def main() -> int:
               "warmup_steps": WARMUP_STEPS, "rows": rows, "faults": faults, "unix_s": time.time()}
     out.write_text(json.dumps(result, indent=2))
     t = Table(title="phalanx vs plain DDP (Gloo): median step, ratio per alternating pair")
-    for col in ("workload", "workers", "DDP ms", "strict ms", "available ms", "strict / DDP", "available / DDP"):
+    others = [s for s in systems if s != "ddp"]
+    for col in ("workload", "workers", *(f"{s} ms" for s in systems), *(f"{s} / ddp" for s in others)):
         t.add_column(col, no_wrap=True)
     for row in rows:
         m = row["median_step_s"]
         t.add_row(row["workload"], str(row["workers"]),
-                  *(f"{statistics.median(m[s]) * 1000:.1f}" for s in SYSTEMS),
-                  f"{row['strict_ratio_median']:.2f} ({_spread(row['strict_ratios'])})",
-                  f"{row['available_ratio_median']:.2f} ({_spread(row['available_ratios'])})")
-    Console().print(t)
+                  *(f"{statistics.median(m[s]) * 1000:.1f}" for s in systems),
+                  *(f"{row[s + '_ratio_median']:.2f} ({_spread(row[s + '_ratios'])})" for s in others))
+    Console(width=max(Console().width, 160)).print(t)
     if faults:
         ft = Table(title="detection and recovery (4 workers, bundled model)")
         ft.add_column("fault")
