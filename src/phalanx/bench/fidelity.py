@@ -23,6 +23,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from phalanx.bench.gloo_thread_watch import GlooThreadWatch
+
 # six kills (each worker restarts) and two 1.5 s freezes, 40 steps apart: one kill's detection is a
 # few OS milliseconds, so a handful per side makes the mean comparable
 _FAULTS = [("kill", 1), ("freeze", 2), ("kill", 3), ("kill", 0), ("freeze", 2), ("kill", 1), ("kill", 2), ("kill", 3)]
@@ -279,22 +281,24 @@ def _args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def _real_runs(args: argparse.Namespace, console: Console) -> tuple[Any, Any, list[Any], list[Any]]:
-    """The fault-free (calibration) run and the fault run, with all their workers' spans."""
+def _real_runs(args: argparse.Namespace, console: Console) -> tuple[Any, Any, list[Any], list[Any], list[Any]]:
+    """The fault-free (calibration) run and the fault run, with all their workers' spans, and the
+    fault run's Gloo threads' CPU per worker process."""
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(args.keep_runs or tmp_dir)
         console.print("real, fault-free (calibration) ...")
         calib = _run(args.steps, tmp / "calib", args.min_step_s)
         calib_spans = _span_records(tmp / "calib")
         console.print("real, kill + freeze ...")
-        real = _run(args.steps, tmp / "real", args.min_step_s, PLAN)
-        return calib, real, calib_spans, _span_records(tmp / "real")
+        with GlooThreadWatch() as watch:
+            real = _run(args.steps, tmp / "real", args.min_step_s, PLAN)
+        return calib, real, calib_spans, _span_records(tmp / "real"), watch.summary()
 
 
 def main() -> int:
     args = _args()
     console = Console(stderr=True)
-    calib, real, calib_spans, real_spans = _real_runs(args, console)
+    calib, real, calib_spans, real_spans, gloo = _real_runs(args, console)
     compute_s = statistics.median(r["dur"] for r in calib_spans if r["span"] == "compute")
     allreduce_s = statistics.median(r["dur"] for r in calib_spans if r["span"] == "allreduce")
     spread = {"fault-free": decision_spread_s(list(calib.commits), calib_spans),
@@ -341,11 +345,14 @@ def main() -> int:
     console.print(_budget_table(budget))
     console.print("commit decision's spread over members (median, by world size, ms): " + "; ".join(
         f"{run} " + ", ".join(f"{n}: {1e3 * v:.1f}" for n, v in by.items()) for run, by in spread.items()))
+    console.print("fault run, Gloo threads' CPU per worker process (s; busiest thread's peak share of a core): "
+                  + ", ".join(f"{g['worker']}/{g['pid']} {g['gloo_cpu_s']:.2f} ({g['busiest_gloo_thread_peak_core']:.0%})"
+                              for g in gloo))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"calibration": {"compute_s": compute_s, "allreduce_s": allreduce_s, **calibration},
                                "rows": table, "step_budget": budget, "group_build_gaps_s": builds,
-                               "decision_spread_s": spread,
+                               "decision_spread_s": spread, "gloo_threads": gloo,
                                "faults": {side: [{k: f.get(k) for k in ("kind", "worker", "at_step", "detected_after_s",
                                                                         "recovered_after_s")} for f in faults]
                                           for side, faults in (("real", real.faults), ("simulated", sim["faults"]))}},
