@@ -10,7 +10,7 @@ from typing import Any
 class GlooThreadWatch:
     """Samples, every ``interval_s`` while a real run goes, the CPU time of each worker process's Gloo
     threads (Linux /proc; nothing elsewhere). Session 15 saw a quorum's Gloo group, abandoned after a
-    peer was killed and held in the graveyard, spin one ``gloo_tcp_loop`` thread at 25-66 % of a core
+    peer was killed and held in the graveyard, spin one ``gloo_tcp_loop`` thread at 25-94 % of a core
     in one survivor for 5-11 s, and that worker take its commit decisions ~15 ms late meanwhile."""
 
     def __init__(self, module: str = "phalanx.workload.charlm_train", interval_s: float = 1.0) -> None:
