@@ -54,3 +54,27 @@ def test_the_build_is_charged_once_per_quorum_id_not_per_collective():
 def test_no_build_cost_by_default_leaves_every_collective_at_its_alpha_beta_cost():
     took = _collective_times_s(CollectiveModel(alpha_s=ALPHA_S, beta_s_per_byte=0.0), [7, 8], 2)
     assert took == pytest.approx([RING_S] * 4)
+
+
+def _cluster_run(group_build_s: float):
+    from phalanx.faults.plan import parse_fault_plan
+    from phalanx.sim.cluster import Cluster
+
+    plan = parse_fault_plan('[[fault]]\nkind = "kill"\nworker = 1\nat_step = 5\nrestart = true\n', "<test>")
+    return Cluster(workers=3, steps=30, seed=3, plan=plan, restart_delay_s=0.3,
+                   collective=CollectiveModel(group_build_s=group_build_s)).run()
+
+
+def test_a_cluster_pays_the_build_at_each_new_quorums_first_step_and_repeats_byte_for_byte():
+    plain, built, again = _cluster_run(0.0), _cluster_run(0.2), _cluster_run(0.2)
+    assert plain.ok and built.ok
+    assert built.commits == again.commits and built.events == again.events  # same seed, same run
+    quorums = {c["quorum_id"] for c in built.commits}
+    assert len(quorums) >= 3  # the first, the one without the killed worker, the one it rejoined
+    # every quorum's first commit waited for its group's build; the same steps without it did not
+    firsts = [c for prev, c in zip(built.commits, built.commits[1:]) if c["quorum_id"] != prev["quorum_id"]]
+    assert firsts and all(c["step_s"] >= 0.2 for c in firsts)
+    # before the kill: step 0 (quorum 1's first) pays the build once; steps 1-4 cost what they did without
+    # it (within the compute jitter, whose draws shift with the timeline)
+    assert built.commits[0]["step_s"] == pytest.approx(plain.commits[0]["step_s"] + 0.2, abs=0.005)
+    assert [c["step_s"] for c in built.commits[1:5]] == pytest.approx([c["step_s"] for c in plain.commits[1:5]], abs=0.005)
