@@ -4,13 +4,11 @@
 (:func:`backend_for`; the NCCL group of a quorum is made on its first CUDA tensor, so a CPU model
 on a machine with GPUs trains over Gloo, and NCCL's communicator is only set up where used). A collective is
 awaited with a deadline; a group whose collective failed or passed its deadline is *abandoned*:
-never waited on again. An abandoned Gloo group is dropped at once, on a thread of its own: kept, one
-whose peer was SIGKILLed with a collective in flight spins a ``gloo_tcp_loop`` thread at a full
-core until it is destroyed (measured: 5.0 s of CPU in 5 s in one of three survivors; dropped, none),
-and its destructor releases the GIL while it waits out a frozen peer's collective (2.5 s on its own
-thread; the others ran on with under 5 ms stalls). NCCL groups, whose teardown with work in flight
-was not measured, stay in a bounded graveyard until their own timeout has surely fired. The
-simulator supplies its own factory.
+never waited on again. An abandoned Gloo group is dropped at once, on a thread of its own (kept, one
+whose peer was SIGKILLed mid-collective spun a ``gloo_tcp_loop`` thread at a full core; its
+destructor releases the GIL while it waits out a frozen peer's collective). NCCL groups, whose
+teardown with work in flight was not measured, stay in a bounded graveyard until their own timeout
+has surely fired. The simulator supplies its own factory.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Record = dict[str, Any]
 # category -> the worker spans summed into it; the order is the stacking order of the bars
 TIME_CATEGORIES: dict[str, tuple[str, ...]] = {
     "compute": ("compute",),
-    "communicating": ("allreduce",),
+    "communicating": ("allreduce", "exchange_open"),  # exchange_open: a new quorum builds its group
     "waiting": ("quorum_wait",),
     "healing": ("heal", "heal_serve", "restore", "checkpoint"),
 }

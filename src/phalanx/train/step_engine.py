@@ -155,7 +155,9 @@ class StepEngine:
                 a = await self._acquire(step, total)
                 if a.step >= total or a.catch_up:
                     return  # a catch-up restored or healed the final state
+                t0 = self.now
                 ex = await self.agent.exchange(a)  # ready before the body computes: buckets start early
+                self.obs.span("exchange_open", t0, step=a.step, quorum_id=a.quorum_id)  # a new id builds its group
                 ticket = Ticket(a, a.step, exchange=ex)
             if ticket.exchange is not None and ticket.exchange.failed and not ticket.handed:
                 # the group did not form: say so (the step aborts) without computing
