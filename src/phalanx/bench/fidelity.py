@@ -257,7 +257,8 @@ def _simulate(steps: int, c: dict[str, float]) -> Any:
                    collective=CollectiveModel(alpha_s=c["alpha_s"], beta_s_per_byte=0.0,
                                               group_build_s=c.get("group_build_s", 0.0)),
                    link=LinkModel(latency_s=c["control_latency_s"], jitter_s=c["control_latency_s"] / 4),
-                   process_exit_s=c["process_exit_s"], restart_delay_s=c["restart_delay_s"]).run()
+                   process_exit_s=c["process_exit_s"], restart_delay_s=c["restart_delay_s"],
+                   restart_delays_s=tuple(c.get("restart_delays_s", ())), heal_load_s=c.get("heal_load_s", 0.0)).run()
 
 
 def _budget_table(budget: dict[str, dict[str, dict[str, float]]]) -> Table:
@@ -276,7 +277,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--min-step-s", type=float, default=0.05, help="paced compute, as in the fault tests")
     ap.add_argument("--out", default="runs/bench/fidelity.json")
     ap.add_argument("--no-group-build", dest="group_build", action="store_false",
-                    help="simulate without the measured group build cost (as before session 15)")
+                    help="simulate without the measured group build and heal load costs (as before session 15)")
     ap.add_argument("--keep-runs", default="", help="keep the real runs' dirs (calib/, real/) under this folder")
     return ap.parse_args()
 
@@ -295,6 +296,31 @@ def _real_runs(args: argparse.Namespace, console: Console) -> tuple[Any, Any, li
         return calib, real, calib_spans, _span_records(tmp / "real"), watch.summary()
 
 
+def _calibration(args: argparse.Namespace, calib_step: float, compute_s: float, allreduce_s: float, real: Any,
+                 real_spans: list[dict[str, Any]]) -> tuple[dict[str, Any], list[float]]:
+    """The simulator's costs: the fault-free run's step (``_calibrate``), the OS's teardown (a
+    probe), and from the fault run itself each restart's delay (in order: the k-th kill's process
+    came back after the k-th), a new quorum's group build and the healed worker's state load."""
+    calibration: dict[str, Any] = _calibrate(compute_s, allreduce_s, calib_step, probe_process_exit_s(args.min_step_s))
+    # the simulator's default is 2 s; a real restart here takes what the run's events say
+    rejoins = rejoin_delays_s(list(real.events))
+    calibration["restart_delay_s"] = statistics.median(rejoins) if rejoins else 2.0
+    calibration["restart_delays_s"] = rejoins
+    # a new quorum's group build, from the same run's spans (the fault-free run builds one group,
+    # at step 0, in its warm-up); the simulator's rendezvous already charges two alphas of it
+    builds = group_build_gaps_s(list(real.commits), real_spans)
+    calibration["group_build_measured_s"] = statistics.median(builds) if builds else 0.0
+    calibration["group_build_s"] = (max(0.0, calibration["group_build_measured_s"] - 2 * calibration["alpha_s"])
+                                    if args.group_build else 0.0)
+    # a heal's span, real against simulated without a load cost: the difference is the real
+    # worker's decoding and copying of the received state, which the simulator charges as heal_load_s
+    heals = [r["dur"] for r in real_spans if r["span"] == "heal"]
+    sim_heals = [r["dur"] for r in _simulate(args.steps, {**calibration, "heal_load_s": 0.0}).spans if r.get("span") == "heal"]
+    calibration["heal_load_s"] = (max(0.0, statistics.median(heals) - statistics.median(sim_heals))
+                                  if heals and sim_heals and args.group_build else 0.0)
+    return calibration, builds
+
+
 def main() -> int:
     args = _args()
     console = Console(stderr=True)
@@ -305,16 +331,7 @@ def main() -> int:
               "faults": decision_spread_s(list(real.commits), real_spans)}
     calib_step = _median_step(calib.commits)
     assert calib_step is not None, "the calibration run committed too few steps"
-    calibration = _calibrate(compute_s, allreduce_s, calib_step, probe_process_exit_s(args.min_step_s))
-    # the simulator's default is 2 s; a real restart here takes what the run's events say
-    rejoins = rejoin_delays_s(list(real.events))
-    calibration["restart_delay_s"] = statistics.median(rejoins) if rejoins else 2.0
-    # a new quorum's group build, from the same run's spans (the fault-free run builds one group,
-    # at step 0, in its warm-up); the simulator's rendezvous already charges two alphas of it
-    builds = group_build_gaps_s(list(real.commits), real_spans)
-    calibration["group_build_measured_s"] = statistics.median(builds) if builds else 0.0
-    calibration["group_build_s"] = (max(0.0, calibration["group_build_measured_s"] - 2 * calibration["alpha_s"])
-                                    if args.group_build else 0.0)
+    calibration, builds = _calibration(args, calib_step, compute_s, allreduce_s, real, real_spans)
     sim_result = _simulate(args.steps, calibration)
     sim = sim_result.summary
     # A run with six kills spends ~40 % of its steps with three workers (a restarted process takes

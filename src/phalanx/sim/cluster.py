@@ -105,6 +105,8 @@ class Cluster:
     step_compute_s: float = 0.05  # compute of one step at the full world's share
     compute_jitter: float = 0.02  # relative, per worker per step
     restart_delay_s: float = 2.0  # a killed worker's process restarts after this long
+    restart_delays_s: tuple[float, ...] = ()  # the k-th restart takes the k-th of these (a real run's own)
+    heal_load_s: float = 0.0  # a healed worker loads the received state for this long (deserialise, copy)
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     collective_timeout_s: float = 5.0
     max_virtual_s: float = 3600.0
@@ -228,7 +230,8 @@ class Cluster:
         self.sim_workers: list[SimWorker] = []
         self.coordinator_address = await self._start_coordinator("coordinator", None)
         env = SimWorkerEnv(self.net, self.pgf, self.data, self.model_cfg, self.coordinator_address, self.seed,
-                           self.steps, self.max_virtual_s, SimCheckpoints())
+                           self.steps, self.max_virtual_s, SimCheckpoints(), heal_load_s=self.heal_load_s)
+        self._restarts_begun = 0
         self.sim_workers = [SimWorker(env, self, i) for i in range(self.workers)]
         self._to_join = {f"w{i}" for i in self.plan.joiners}  # not there yet: started by their join fault
         for w in self.sim_workers:
@@ -390,7 +393,8 @@ class Cluster:
             if not f.restart:
                 w.gone = True
                 return
-            await asyncio.sleep(self.restart_delay_s)
+            k_th, self._restarts_begun = self._restarts_begun, self._restarts_begun + 1
+            await asyncio.sleep(self.restart_delays_s[k_th] if k_th < len(self.restart_delays_s) else self.restart_delay_s)
             w.restarts += 1
             w.start()
             return

@@ -26,7 +26,6 @@ import contextvars
 import functools
 import gc
 import heapq
-import itertools
 import logging
 import operator
 import random

@@ -62,6 +62,7 @@ class SimWorkerEnv:
     checkpoints: SimCheckpoints = field(default_factory=SimCheckpoints)
     # each step's expected coverage, the same for every worker (read-only arrays; the newest few)
     coverage: dict[int, np.ndarray] = field(default_factory=dict)
+    heal_load_s: float = 0.0  # Cluster.heal_load_s
 
     def expected_coverage(self, step: int) -> np.ndarray:
         cov = self.coverage.get(step)
@@ -238,6 +239,8 @@ class SimWorker:
 
     async def load_healed(self, healed: HealedState) -> None:
         self.w = np.frombuffer(bytes(healed.buffers[0]), dtype=np.float64).copy()
+        if self.env.heal_load_s > 0 and self.agent is not None:  # a real worker decodes and copies its state
+            await self.agent.host.sleep(self.env.heal_load_s)
 
     async def write_checkpoint(self, step: int, a: Assignment) -> str:
         return self.env.checkpoints.write(step, self.w)
