@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -35,6 +36,9 @@ from phalanx.serve.routing_policy import backoff_s
 
 COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 SESSION_HEADER_BYTES = SESSION_HEADER.encode()
+# msgspec's untyped decoder: the same dicts, lists and scalars as json.loads, ~7x cheaper on a request body
+# (docs/SERVING.md, "Session 15"); its DecodeError is a ValueError. UTF-8 only (json.loads also sniffs UTF-16/32).
+decode_json = msgspec.json.Decoder().decode
 
 
 def header_value(scope: Scope, name: bytes) -> str | None:
@@ -81,7 +85,7 @@ class RouterHttp:
             if raw is None:
                 return  # the client left before its request arrived: nobody to answer
             try:
-                body = json.loads(raw)
+                body = decode_json(raw)
             except (ValueError, UnicodeDecodeError) as e:
                 raise BadRequest(f"request body is not valid JSON ({e})") from e
             self._admit(body)

@@ -31,6 +31,8 @@ class RouterMetrics:
         self.healthy = Gauge("phalanx_router_replica_healthy", "1 when in rotation", ["replica"], registry=r)
         self.version_waits = Counter("phalanx_router_version_waits", "requests delayed by a rollout (held back "
                                      "until a replica at their session's version admitted them)", registry=r)
+        self.outage_waits = Counter("phalanx_router_outage_waits", "requests that waited for a replica to come back "
+                                    "into rotation (none was in it) instead of a 503", registry=r)
         self.version_refusals = Counter("phalanx_router_version_refusals", "requests answered 503 because no "
                                         "replica at their session's version admitted them in time", registry=r)
         self.version_rank = Gauge("phalanx_router_replica_version_rank", "rank of the version a replica serves",

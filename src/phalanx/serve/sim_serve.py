@@ -200,8 +200,8 @@ class ServeSim:
         r.stats.observe(self.now() - t0, self.pcfg.ewma_alpha, ahead)
 
     def _move_held(self, r: SimReplica) -> None:
-        """The router's ``_ejected``: the requests ``held_to_move`` picks leave the ejected replica now."""
-        held = [HeldRequest(k, t, moved) for k, (t, moved, _) in r.held.items()]
+        """The router's ``_move_held``: the requests ``held_to_move`` picks leave the ejected replica now."""
+        held = [HeldRequest(k, t, moved) for k, (t, moved, fut) in r.held.items() if not fut.done()]  # not yet gone
         for key, _ in held_to_move(self.now(), r.stats, held, [x.stats for x in self.reps], self.pcfg, self.active):
             fut = r.held[key][2]
             if not fut.done():
@@ -312,9 +312,15 @@ class ServeSim:
                     self._set_health(r, False, suspects[r.stats.replica_id])
                 elif r.stats.replica_id not in suspects and not r.stats.healthy and r.good_polls >= 3:
                     self._set_health(r, True, "heartbeats and progress")
+            ejected_now: set[str] = set()
             for s, _ in latency_outliers(now, [r.stats for r in self.reps], self.pcfg):
                 s.ejected_until_s = now + self.pcfg.ejection_s
+                ejected_now.add(s.replica_id)
                 self._move_held(self.by_id[s.replica_id])
+            if self.pcfg.ejection_moves_later:  # the router's later moves: what stayed is re-decided every tick
+                for r in self.reps:
+                    if r.stats.ejected_until_s > now and r.stats.replica_id not in ejected_now and r.held:
+                        self._move_held(r)
             await asyncio.sleep(cfg.heartbeat_interval_s)
 
     # --- faults and the run ----------------------------------------------------------------------
