@@ -75,3 +75,22 @@ def test_later_moves_off_an_ejected_replica_shrink_round_robins_tail_further_wit
     assert later["failed"] == 0 and later["unfinished"] == 0 and later["served"] == later["ok"] == later["requests"]
     assert once["moves"] < later["moves"] <= 0.1 * later["requests"]
     assert later["latency_s"]["p99"] < 0.85 * once["latency_s"]["p99"]
+
+
+BOTH_FROZEN = [ServingFault("freeze", 0, 5.0, 1.0, 1.0, 1), ServingFault("freeze", 1, 5.0, 1.0, 1.0, 2)]
+
+
+def test_a_brief_outage_of_every_replica_delays_requests_instead_of_failing_them():
+    # both replicas out of rotation for ~1.1 s (5.1 -> 6.2 virtual s): with the router's outage wait every request
+    # waits and is answered; refusing at once (outage_wait_s = 0, the router before session 15) fails 8-12 of ~100
+    base = dict(replicas=2, rate_per_s=10, duration_s=10, service_s=0.1, seed=1)
+    refused, _ = run(SimServeConfig(outage_wait_s=0.0, **base), BOTH_FROZEN)
+    waited, _ = run(SimServeConfig(**base), BOTH_FROZEN)
+    assert refused["failed"] > 0
+    assert waited["failed"] == 0 and waited["unfinished"] == 0 and waited["ok"] == waited["requests"]
+
+
+def test_an_outage_longer_than_the_wait_still_answers_every_request_with_an_error_and_ends():
+    gone = [ServingFault("kill", 0, 5.0, None, 1.0, 1), ServingFault("kill", 1, 5.0, None, 1.0, 2)]  # no restart
+    res, _ = run(SimServeConfig(replicas=2, rate_per_s=10, duration_s=10, service_s=0.1, seed=1), gone)
+    assert res["failed"] > 0 and res["unfinished"] == 0 and res["ok"] + res["failed"] == res["requests"]

@@ -23,8 +23,9 @@ from phalanx.membership.failure_detector import DetectorConfig, Liveness, heartb
 from phalanx.serve.loadtest import quantile
 from phalanx.serve.replica_faults import RTO_MIN_S
 from phalanx.serve.routing_policy import (POLICY_NAMES, HeldRequest, Policy, PolicyConfig, ReplicaStats,
-                                          RollingLatency, after_failure, backoff_s, choose_replica, hedge_delay_s, hedge_target, held_to_move,
-                                          latency_outliers, may_hedge, may_retry)
+                                          RollingLatency, after_failure, backoff_s, choose_replica, hedge_delay_s,
+                                          hedge_target, held_to_move, latency_outliers, may_hedge, may_retry,
+                                          may_wait_for_replica)
 from phalanx.serve.serving_faults import ServingFault
 
 
@@ -50,6 +51,7 @@ class SimServeConfig:
     warmup_arrivals_s: tuple[float, ...] = ()
     service_samples_s: tuple[float, ...] | None = None
     router_hop_s: float = 0.0
+    outage_wait_s: float = 2.0  # RouterConfig.outage_wait_s: no replica in rotation, a request waits this long at most
 
 
 RESTART_S = 3.0  # a killed replica with restart = true is serving again this long after (the model loads)
@@ -104,6 +106,7 @@ class ServeSim:
         self.t0_s = 0.0
         self.failed = self.retries = self.hedges = self.requests = self.active = self.retries_in_flight = 0
         self.moves = self.keys = 0
+        self.no_replica_since_s: float | None = None  # the router's: when the last replica left rotation
         self.rr = 0
         self.detections: list[dict[str, Any]] = []
         self.by_id = {r.stats.replica_id: r for r in self.reps}
@@ -260,6 +263,10 @@ class ServeSim:
                         break
                     await asyncio.sleep(backoff_s(attempt, self.rng_policy))
                 r = self._choose(tried)
+                since_s = self.no_replica_since_s if self.no_replica_since_s is not None else self.now()
+                while r is None and may_wait_for_replica(self.now(), since_s, self.cfg.outage_wait_s)[0]:
+                    await asyncio.sleep(0.02)  # the router's choose_waiting: bounded by the outage's age
+                    r = self._choose(tried)
                 if r is None:
                     gone = True
                     await asyncio.sleep(0.05)
@@ -312,6 +319,10 @@ class ServeSim:
                     self._set_health(r, False, suspects[r.stats.replica_id])
                 elif r.stats.replica_id not in suspects and not r.stats.healthy and r.good_polls >= 3:
                     self._set_health(r, True, "heartbeats and progress")
+            if any(r.stats.healthy for r in self.reps):
+                self.no_replica_since_s = None
+            elif self.no_replica_since_s is None:
+                self.no_replica_since_s = now
             ejected_now: set[str] = set()
             for s, _ in latency_outliers(now, [r.stats for r in self.reps], self.pcfg):
                 s.ejected_until_s = now + self.pcfg.ejection_s
