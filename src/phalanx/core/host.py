@@ -66,5 +66,9 @@ class Host(Protocol):
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> Any:
         """Start a background task owned by this node; returns an asyncio.Task-like handle."""
 
+    async def run_blocking(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, off the event loop where it could stall it (real runs: a worker thread, so a
+        long copy or hash never silences the heartbeats); inline in the simulator (deterministic)."""
+
     def log(self, event: str, **fields: Any) -> None:
         """Record a structured event (goes to the run's events.jsonl / the sim trace)."""

@@ -37,6 +37,9 @@ class SimHost:
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         return self.net.spawn(self.node, coro, name)
 
+    async def run_blocking(self, fn: Callable[[], Any]) -> Any:
+        return fn()  # virtual time: no thread, the same result at the same instant every run
+
     def log(self, event: str, **fields: Any) -> None:
         if self._on_log:
             self._on_log(self.name, event, fields)

@@ -75,7 +75,7 @@ class Healing:
             if not ok:
                 raise HealError(f"state from {a.heal_from} failed its checksum ({checksum[:12]} != {offer.checksum[:12]})")
             from phalanx.checkpoint.chunks import join_chunks
-            buffers = join_chunks(chunks, list(offer.buffer_sizes))
+            buffers = await self.host.run_blocking(lambda: join_chunks(chunks, list(offer.buffer_sizes)))
             return HealedState(offer.state_header, buffers, checksum, a.heal_from)
         finally:
             conn.close()
@@ -111,7 +111,10 @@ class Healing:
             if a is None:
                 await conn.send(Refused(reason=f"not serving quorum {req.quorum_id} (stale epoch)"))
                 return
-            step_, header, buffers, checksum = self._capture(a)
+            # the copy and hash of the whole state (300 MB for 25 M parameters with Adam: ~1 s on
+            # a busy core) run off the event loop: on it, they silenced this worker's heartbeats
+            # past the timeout, and the healer was suspected in turn (a fault-free run's cascade)
+            step_, header, buffers, checksum = await self.host.run_blocking(lambda: self._capture(a))
             chunk_bytes = self.cfg.heal_chunk_bytes
             from phalanx.checkpoint.chunks import chunk_buffers
             chunks = chunk_buffers(buffers, chunk_bytes)

@@ -37,6 +37,9 @@ class RealHost:
         task.add_done_callback(self._reap)
         return task
 
+    async def run_blocking(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.to_thread(fn)
+
     def _reap(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
