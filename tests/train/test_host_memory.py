@@ -78,3 +78,13 @@ def test_tuned_process_stops_faulting_its_large_temporaries() -> None:
     pages_per_round = 4 * (8 << 20) // 4096
     assert faults("default") > 10 * pages_per_round  # the pathology, measured: every round faults in again
     assert faults("tuned") <= 2 * pages_per_round  # tuned: 0 or one round's pages in all 20 rounds
+
+
+def test_the_largest_cpu_parameter_sets_the_plan_and_a_model_without_one_is_left_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    seen: list[int] = []
+    monkeypatch.setattr(hm, "tune_for_tensors", lambda n: seen.append(n) or "tuned")
+    assert hm.tune_for_parameters([torch.zeros(10), torch.zeros(3, 100)]) == "tuned" and seen == [1200]
+    assert "no CPU parameters" in hm.tune_for_parameters([])

@@ -32,7 +32,7 @@ def main() -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     w = build(name)
     if malloc == "tuned":
-        host_memory.tune_for_tensors(max(p.numel() * p.element_size() for p in w.model.parameters()))
+        host_memory.tune_for_parameters(w.model.parameters())
     model = DistributedDataParallel(w.model)
     marks = []
     for step in range(steps):

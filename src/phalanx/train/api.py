@@ -185,9 +185,8 @@ class Job:
             self._buckets.close()
             self._buckets = None
         self.model, self.optimizer = model, optimizer
-        cpu_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu"]
-        if cpu_bytes:  # the optimizer's temporaries come from malloc each step (train/host_memory.py)
-            self._spans.event("host_memory", detail=host_memory.tune_for_tensors(max(cpu_bytes)))
+        # the optimizer's temporaries come from malloc each step (train/host_memory.py)
+        self._spans.event("host_memory", detail=host_memory.tune_for_parameters(model.parameters()))
         if overlap and self.mode != "local-sgd":
             self._buckets = GradientBuckets(list(model.parameters()), bucket_bytes)
         if optimizer is not None:

@@ -23,8 +23,9 @@ import ctypes
 import ctypes.util
 import os
 import platform
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -94,3 +95,10 @@ def tune_for_tensors(largest_tensor_bytes: int, env: Mapping[str, str] | None = 
     _applied = plan
     return (f"malloc: mmap threshold {plan.mmap_threshold_bytes >> 20} MiB, "
             f"trim threshold {plan.trim_threshold_bytes >> 20} MiB")
+
+
+def tune_for_parameters(params: Iterable[Any]) -> str:
+    """``tune_for_tensors`` for the largest CPU tensor among ``params`` (a model's parameters);
+    a model with none on the CPU leaves malloc alone (its temporaries are the GPU's)."""
+    cpu_bytes = [p.numel() * p.element_size() for p in params if p.device.type == "cpu"]
+    return tune_for_tensors(max(cpu_bytes)) if cpu_bytes else "malloc left as it is: no CPU parameters"

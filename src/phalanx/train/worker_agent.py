@@ -53,9 +53,9 @@ class WorkerAgent(Healing):
         self._decisions: dict[tuple[int, int], asyncio.Future[StepDecision]] = {}
         self._broken: dict[int, asyncio.Event] = {}
         self._pg: ProcessGroup | None = None
-        self._serving: Assignment | None = None
-        self._heal_acks: dict[str, asyncio.Future[bool]] = {}
-        self._snapshot: tuple[int, bytes, list[memoryview], str] | None = None
+        self._serving, self._heal_acks = None, {}  # Healing's: the quorum we heal others for, their acks
+        self._snapshot: tuple[int, bytes, list[memoryview], str] | None = None  # one per quorum, ...
+        self._capture_lock = asyncio.Lock()  # ... however many joiners ask
         self._lost = asyncio.Event()
         self._last_sent_s = float("-inf")  # any message is a sign of life: heartbeats fill the gaps
         self._phase_mark: tuple[int, int, str, float] | None = None  # (step, quorum id, phase, entered at)
