@@ -8,6 +8,7 @@ the SHA-256 of what it got (echoed to the sender in HealAck). Mixed into
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
@@ -45,14 +46,20 @@ class Healing:
     _race_broken: Callable[..., Awaitable[Any]]
     _send: Callable[[Any], Awaitable[None]]
     # ---- healing: fetching ----
-    async def heal(self, a: Assignment) -> HealedState:
-        """Copy the live state from ``a.heal_from`` (fenced by the quorum id)."""
+    async def heal(self, a: Assignment, load: Callable[[HealedState], Awaitable[None]]) -> HealedState:
+        """Copy the live state from ``a.heal_from`` (fenced by the quorum id) and ``load`` it.
+
+        The acknowledgement goes back to the source only once the state is loaded: the source
+        opens the quorum's process group when every target has acked, and the group's deadline
+        must not run while a target still decodes and copies its state (three joiners loading
+        300 MB each at once on two cores outlasted the 5 s group deadline, and everyone healed
+        again)."""
         try:
-            return await asyncio.wait_for(self._race_broken(a, self._fetch(a)), self.cfg.heal_timeout_s)
+            return await asyncio.wait_for(self._race_broken(a, self._fetch(a, load)), self.cfg.heal_timeout_s)
         except (TransportError, asyncio.TimeoutError) as e:
             raise HealError(f"healing from {a.heal_from} failed: {e or 'timed out'}") from e
 
-    async def _fetch(self, a: Assignment) -> HealedState:
+    async def _fetch(self, a: Assignment, load: Callable[[HealedState], Awaitable[None]]) -> HealedState:
         conn = await self.host.transport.connect(a.heal_address, self.cfg.connect_timeout_s)
         try:
             await conn.send(HealRequest(worker_id=self.cfg.worker_id, quorum_id=a.quorum_id, step=a.step))
@@ -71,13 +78,22 @@ class Healing:
                     digest.update(b)
                     chunks.append(b)
             checksum = digest.hexdigest()
-            ok = checksum == offer.checksum
-            await conn.send(HealAck(quorum_id=a.quorum_id, checksum=checksum, ok=ok))
-            if not ok:
+            if checksum != offer.checksum:
+                await conn.send(HealAck(quorum_id=a.quorum_id, checksum=checksum, ok=False))
                 raise HealError(f"state from {a.heal_from} failed its checksum ({checksum[:12]} != {offer.checksum[:12]})")
             from phalanx.checkpoint.chunks import join_chunks
             buffers = await self.host.run_blocking(lambda: join_chunks(chunks, list(offer.buffer_sizes)))
-            return HealedState(offer.state_header, buffers, checksum, a.heal_from)
+            healed = HealedState(offer.state_header, buffers, checksum, a.heal_from)
+            loaded = False
+            try:
+                await load(healed)
+                loaded = True
+            finally:  # a load that fails is a failed heal for the source too (best effort: we are leaving)
+                if not loaded:
+                    with contextlib.suppress(TransportError):
+                        await conn.send(HealAck(quorum_id=a.quorum_id, checksum=checksum, ok=False))
+            await conn.send(HealAck(quorum_id=a.quorum_id, checksum=checksum, ok=True))
+            return healed
         finally:
             conn.close()
 

@@ -276,8 +276,7 @@ class StepEngine:
             self.obs.span("restore", t0, step=ck_step, path=a.restore_checkpoint)
         elif a.heal_from:
             t0 = self.now
-            healed = await self.agent.heal(a)
-            await self.state.load_healed(healed)
+            healed = await self.agent.heal(a, self.state.load_healed)  # loaded before the source is told
             await self.agent.heal_done(a, healed.checksum)
             self.counters.heals += 1
             self.obs.span("heal", t0, step=a.step, source=a.heal_from, quorum_id=a.quorum_id)
