@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from phalanx.serve.cluster import local_sockets, spawn_replicas, spawn_router, stop_replicas
+from phalanx.serve.cluster import spawn_replicas, spawn_router, stop_replicas
 
 MODEL = "phalanx-charlm"
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def cluster(token_file):
     # every step 15x slower so generations are still running when the fault lands
     reps = spawn_replicas(3, ["--random-weights", "0", "--slowdown-factor", "15", "--batch-size-max", "16"], token_file)
-    router = spawn_router({r.replica_id: r.url for r in reps}, token_file, sockets=local_sockets(reps))  # as `phalanx serve`
+    router = spawn_router({r.replica_id: r.url for r in reps}, token_file)
     yield reps, router.url
     router.stop()
     stop_replicas(reps)

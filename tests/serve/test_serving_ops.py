@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from phalanx.serve.cluster import local_sockets, spawn_replicas, spawn_router, stop_replicas
+from phalanx.serve.cluster import spawn_replicas, spawn_router, stop_replicas
 from phalanx.serve.fault_driver import run_fault_plan
 from phalanx.serve.request_auth import ClusterTokenAuth
 from phalanx.serve.serving_faults import load_serving_faults
@@ -30,7 +30,7 @@ def ops(tmp_path_factory):
 
     token_file = make_token_file(tf)
     reps = spawn_replicas(3, ["--random-weights", "0", "--slowdown-factor", "10", "--batch-size-max", "16"], token_file)
-    router = spawn_router({r.replica_id: r.url for r in reps}, token_file, sockets=local_sockets(reps),
+    router = spawn_router({r.replica_id: r.url for r in reps}, token_file,
                           extra=["--api-key", KEY, "--active-requests-max", "12"])
     from phalanx.core.auth import read_token_file
 

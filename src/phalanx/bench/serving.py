@@ -33,7 +33,7 @@ from phalanx.bench.serving_speed import batching, batching_report, overhead_repo
 from phalanx.bench.serving_tail import (metric_value, oracle_bound, service_times_s, sim_tail, sim_tail_report,
                                        simulated_slow_replica, slow_replica, slow_report)
 from phalanx.core.auth import read_token_file
-from phalanx.serve.cluster import local_sockets, make_token_file, spawn_replicas, spawn_router, stop_replicas
+from phalanx.serve.cluster import make_token_file, spawn_replicas, spawn_router, stop_replicas
 from phalanx.serve.loadtest import LoadSpec, quantile, run_load
 
 MODEL_ARGS = ["--random-weights", "0"]
@@ -45,7 +45,7 @@ def _service_time_s(url: str, token: bytes, max_tokens: int, n: int = 20) -> flo
 
 def failover(token_file: Path, duration_s: float, max_tokens: int, kill_at_s: float = 5.0) -> dict[str, Any]:
     reps = spawn_replicas(4, MODEL_ARGS + ["--batch-size-max", "8"], token_file)
-    router = spawn_router({r.replica_id: r.url for r in reps}, token_file, sockets=local_sockets(reps))  # as `phalanx serve`
+    router = spawn_router({r.replica_id: r.url for r in reps}, token_file)
     try:
         service_s = _service_time_s(reps[0].url, read_token_file(token_file), max_tokens, n=10)
         # half the cores' worth of requests, and at most 15/s: each streamed request also costs the router and
@@ -196,11 +196,6 @@ def main() -> int:
     ap.add_argument("--only", default="slow,failover,overhead,batching,rollout")
     ap.add_argument("--rollout-rate", type=float, default=20.0, help="req/s for the rollout case")
     ap.add_argument("--overhead-rate", type=float, default=200.0, help="req/s for the router-overhead case")
-    ap.add_argument("--overhead-transport", default="unix", choices=["unix", "tcp"],
-                    help="router -> replica hop in the overhead case: the Unix socket `phalanx serve` uses for local "
-                         "replicas (default), or loopback TCP (as before session 16); direct calls are always TCP")
-    ap.add_argument("--overhead-event-loops", default="asyncio,auto",
-                    help="overhead case: which event loops to measure (auto: uvloop + httptools, the headline)")
     ap.add_argument("--out", default="runs/bench-serving.json")
     ap.add_argument("--resim", default=None, help="a slow-replica JSON of an earlier run: replay its cases in the "
                     "simulator again (the real part is not rerun) and print the table")
@@ -227,8 +222,7 @@ def _run_sections(args: argparse.Namespace, token_file: Path) -> int:
     if "failover" in only:
         all_["failover"] = failover(token_file, max(args.duration_s, 10.0), args.max_tokens)
     if "overhead" in only:
-        all_["router_overhead"] = router_overhead(token_file, min(args.duration_s, 10.0), args.overhead_rate,
-                                              args.overhead_transport, tuple(args.overhead_event_loops.split(",")))
+        all_["router_overhead"] = router_overhead(token_file, min(args.duration_s, 10.0), args.overhead_rate)
     if "batching" in only:
         all_["batching"] = batching(token_file, min(args.duration_s, 10.0))
     if "rollout" in only:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.core.auth import read_token_file
-from phalanx.serve.cluster import local_sockets, spawn_replicas, spawn_router, stop_replicas
+from phalanx.serve.cluster import spawn_replicas, spawn_router, stop_replicas
 from phalanx.serve.loadtest import quantile
 
 MODEL_ARGS = ["--random-weights", "0"]  # untrained weights of the bundled model's shape: timing only
@@ -90,20 +90,15 @@ async def _poisson_lean_s(url: str, token: bytes | None, rate: float, duration_s
     return lat, failed
 
 
-def router_overhead(token_file: Path, duration_s: float, rate: float = 200.0, transport: str = "unix",
-                    kinds: tuple[str, ...] = ("asyncio", "auto")) -> dict[str, Any]:
+def router_overhead(token_file: Path, duration_s: float, rate: float = 200.0) -> dict[str, Any]:
     """The replica called directly and through the router, one request at a time and at ``rate`` req/s (open
     loop, lean client), first with both processes on asyncio + h11, then on uvloop + httptools (what
-    `phalanx serve` runs when they are installed): the same box state for both. ``transport``: the router's hop
-    to the replica, over the replica's Unix socket (what `phalanx serve` does for local replicas) or loopback
-    TCP; "direct" is always the replica's public TCP port, what a user would call."""
-    assert transport in ("unix", "tcp") and kinds and set(kinds) <= {"asyncio", "auto"}, (transport, kinds)
+    `phalanx serve` runs when they are installed): the same box state for both."""
     token = read_token_file(token_file)
-    out: dict[str, Any] = {"rate_per_s": rate, "transport": transport}
-    for kind in kinds:
+    out: dict[str, Any] = {"rate_per_s": rate}
+    for kind in ("asyncio", "auto"):
         reps = spawn_replicas(1, MODEL_ARGS + ["--batch-size-max", "32", "--event-loop", kind], token_file)
-        router = spawn_router({"r0": reps[0].url}, token_file, extra=["--event-loop", kind],
-                              sockets=local_sockets(reps) if transport == "unix" else None)
+        router = spawn_router({"r0": reps[0].url}, token_file, extra=["--event-loop", kind])
         res: dict[str, Any] = {"event_loop": kind}
         try:
             for name, url, tok in (("sequential direct", reps[0].url, token), ("sequential router", router.url, None),
@@ -127,8 +122,7 @@ def router_overhead(token_file: Path, duration_s: float, rate: float = 200.0, tr
             res[key + "added_p50_ms"] = 1000 * (res[prefix + "router"]["p50_s"] - min(d["p50_s"] for d in direct))
             res[key + "added_p99_ms"] = 1000 * (res[prefix + "router"]["p99_s"] - min(d["p99_s"] for d in direct))
         out[kind] = res
-    headline = "auto" if "auto" in out else kinds[-1]
-    out.update({k: v for k, v in out[headline].items() if k != "event_loop"})  # the headline: what `phalanx serve` runs
+    out.update({k: v for k, v in out["auto"].items() if k != "event_loop"})  # the headline: what `phalanx serve` runs
     return out
 
 
@@ -189,9 +183,7 @@ def batching(token_file: Path, duration_s: float, max_tokens: int = 48) -> dict[
 
 def overhead_report(o: dict[str, Any]) -> list[str]:
     lines: list[str] = []
-    hop = {"unix": "router -> replica over its Unix socket", "tcp": "router -> replica over loopback TCP"}.get(
-        o.get("transport", "tcp"), "")
-    lines += ["", f"Router overhead at {o['rate_per_s']:.0f} req/s (open loop, lean client; {hop}): +{o['added_p50_ms']:.2f} ms p50, "
+    lines += ["", f"Router overhead at {o['rate_per_s']:.0f} req/s (open loop, lean client): +{o['added_p50_ms']:.2f} ms p50, "
                   f"+{o['added_p99_ms']:.2f} ms p99 (direct p50 {1000 * o['direct']['p50_s']:.2f} ms, "
                   f"routed p50 {1000 * o['router']['p50_s']:.2f} ms); the router spends "
                   f"{o['router_cpu_ms_per_request']:.2f} ms of CPU per request",
@@ -199,7 +191,7 @@ def overhead_report(o: dict[str, Any]) -> list[str]:
               f"+{o['sequential_added_p50_ms']:.2f} ms p50, +{o['sequential_added_p99_ms']:.2f} ms p99 (direct p50 "
               f"{1000 * o['sequential direct']['p50_s']:.2f} ms, routed "
               f"{1000 * o['sequential router']['p50_s']:.2f} ms)"]
-    if "asyncio" in o and "auto" in o:
+    if "asyncio" in o:
         a = o["asyncio"]
         lines += [f"... the same on asyncio + h11 (router and replica; the figures above run on "
                   f"{'uvloop + httptools' if o['auto']['event_loop'] == 'auto' else 'asyncio'}): at {o['rate_per_s']:.0f} "

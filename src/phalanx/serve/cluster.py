@@ -3,12 +3,6 @@ benchmarks, the demo and the integration tests all start them through here).
 
 Every serving run has a cluster token (a fresh one in a mode-600 file unless one is given): the
 replicas refuse any request the router has not signed with it.
-
-Replicas started here also listen on a Unix socket in a private directory this module creates (mode 0700,
-``phalanx-sock-*`` under the temp dir) and removes with them (``stop_replicas``: the sockets its replicas
-made, then the directory if empty; nothing else). A router on this machine reaches them there
-(``spawn_router(sockets=local_sockets(reps))``, ``serve_forever``): a cheaper hop than loopback TCP
-(docs/SERVING.md, "Session 16"). Their public TCP port stays what clients and remote routers use.
 """
 
 from __future__ import annotations
@@ -18,7 +12,6 @@ import dataclasses
 import os
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -51,36 +44,17 @@ class ReplicaProcess:
     port: int
     args: list[str] = field(default_factory=list)
     token_file: Path | None = None
-    uds: Path | None = None  # the Unix socket it also listens on (in the directory spawn_replicas made)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def restart(self, ready_timeout_s: float = 120.0) -> None:
-        """A fresh process on the same port and socket path (after a kill): the router re-admits it once it proves
-        healthy. The dead process's socket file (ours: in our directory) is removed first."""
+        """A fresh process on the same port (after a kill): the router re-admits it once it proves healthy."""
         assert self.token_file is not None and self.proc.poll() is not None
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        if self.uds is not None:
-            _remove_socket(self.uds)
-        self.proc = spawn_replica(self.replica_id, self.args, self.token_file, ready_timeout_s, self.port,
-                                  self.uds).proc
-
-
-def local_sockets(replicas: list[ReplicaProcess]) -> dict[str, str]:
-    """replica id -> Unix socket, for a router on this machine (``spawn_router(sockets=...)``)."""
-    return {r.replica_id: str(r.uds) for r in replicas if r.uds is not None}
-
-
-def _remove_socket(path: Path) -> None:
-    """Remove ``path`` only if it is a socket (what a replica we started bound there), never anything else."""
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
+        self.proc = spawn_replica(self.replica_id, self.args, self.token_file, ready_timeout_s, self.port).proc
 
 
 def make_token_file(directory: str | Path | None = None) -> Path:
@@ -96,20 +70,18 @@ def _env(token_file: Path) -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PHALANX_TOKEN_FILE=str(token_file))
 
 
-def _start_replica(args: list[str], token_file: Path, port: int = 0, uds: Path | None = None) -> subprocess.Popen[str]:
-    sock = ["--unix-socket", str(uds)] if uds is not None else []
+def _start_replica(args: list[str], token_file: Path, port: int = 0) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "phalanx.serve.replica_main", "--port", str(port),
-                             "--exit-with-parent", *sock, *args], stdout=subprocess.PIPE, text=True,
-                            env=_env(token_file))
+                             "--exit-with-parent", *args], stdout=subprocess.PIPE, text=True, env=_env(token_file))
 
 
 def _wait_ready(replica_id: str, proc: subprocess.Popen[str], args: list[str], deadline_s: float,
-                token_file: Path | None = None, uds: Path | None = None) -> ReplicaProcess:
+                token_file: Path | None = None) -> ReplicaProcess:
     assert proc.stdout is not None
     while time.monotonic() < deadline_s:  # bounded by the deadline and by EOF when the child exits
         line = proc.stdout.readline()
         if line.startswith(READY_LINE):
-            return ReplicaProcess(replica_id, proc, int(line.split()[1]), args, token_file, uds)
+            return ReplicaProcess(replica_id, proc, int(line.split()[1]), args, token_file)
         if not line and proc.poll() is not None:
             break
     proc.kill()
@@ -118,48 +90,31 @@ def _wait_ready(replica_id: str, proc: subprocess.Popen[str], args: list[str], d
 
 
 def spawn_replica(replica_id: str, args: list[str], token_file: Path, ready_timeout_s: float = 120.0,
-                  port: int = 0, uds: Path | None = None) -> ReplicaProcess:
-    return _wait_ready(replica_id, _start_replica(args, token_file, port, uds), args,
-                       time.monotonic() + ready_timeout_s, token_file, uds)
+                  port: int = 0) -> ReplicaProcess:
+    return _wait_ready(replica_id, _start_replica(args, token_file, port), args, time.monotonic() + ready_timeout_s,
+                       token_file)
 
 
 def spawn_replicas(n: int, args: list[str], token_file: Path, per_replica: dict[int, list[str]] | None = None,
-                   ready_timeout_s: float = 120.0, unix_sockets: bool = True) -> list[ReplicaProcess]:
-    """Start all N at once (they load the model in parallel), then wait for each to be ready. With
-    ``unix_sockets`` each also listens on ``DIR/rI.sock``, DIR a fresh private directory (``stop_replicas``
-    removes it)."""
+                   ready_timeout_s: float = 120.0) -> list[ReplicaProcess]:
+    """Start all N at once (they load the model in parallel), then wait for each to be ready."""
     full = [args + (per_replica or {}).get(i, []) for i in range(n)]
-    sock_dir = Path(tempfile.mkdtemp(prefix="phalanx-sock-")) if unix_sockets else None  # mode 0700
-    paths = [sock_dir / f"r{i}.sock" if sock_dir is not None else None for i in range(n)]
-    procs = [_start_replica(a, token_file, uds=p) for a, p in zip(full, paths)]
+    procs = [_start_replica(a, token_file) for a in full]
     out: list[ReplicaProcess] = []
     deadline_s = time.monotonic() + ready_timeout_s
     try:
         for i, (proc, a) in enumerate(zip(procs, full)):
-            out.append(_wait_ready(f"r{i}", proc, a, deadline_s, token_file, paths[i]))
+            out.append(_wait_ready(f"r{i}", proc, a, deadline_s, token_file))
     except BaseException:
         for proc in procs[len(out):]:
             proc.kill()
             proc.wait(10)
         stop_replicas(out)
-        for p in paths[len(out):]:
-            if p is not None:
-                _remove_socket(p)
-        if sock_dir is not None:
-            _remove_dir_if_empty(sock_dir)
         raise
     return out
 
 
-def _remove_dir_if_empty(path: Path) -> None:
-    try:
-        path.rmdir()
-    except OSError:  # not empty (something we did not create is there) or already gone: leave it
-        pass
-
-
 def stop_replicas(replicas: list[ReplicaProcess]) -> None:
-    """Kill them, then remove their sockets and the directory spawn_replicas made for them (once empty)."""
     for r in replicas:
         if r.proc.poll() is None:
             with_suppress_kill(r.proc, signal.SIGCONT)
@@ -168,11 +123,6 @@ def stop_replicas(replicas: list[ReplicaProcess]) -> None:
         r.proc.wait(10)
         if r.proc.stdout is not None:
             r.proc.stdout.close()
-    for r in replicas:
-        if r.uds is not None:
-            _remove_socket(r.uds)
-    for d in sorted({r.uds.parent for r in replicas if r.uds is not None}):
-        _remove_dir_if_empty(d)
 
 
 def with_suppress_kill(proc: subprocess.Popen[str], sig: int) -> None:
@@ -200,13 +150,10 @@ class RouterProcess:
 
 
 def spawn_router(replicas: dict[str, str], token_file: Path, policy: str = "p2c-latency", hedging: bool = False,
-                 extra: list[str] | None = None, ready_timeout_s: float = 60.0,
-                 sockets: dict[str, str] | None = None) -> RouterProcess:
-    """``sockets``: replica id -> Unix socket (``local_sockets``) for the replicas on this machine; the rest by URL."""
+                 extra: list[str] | None = None, ready_timeout_s: float = 60.0) -> RouterProcess:
     cmd = [sys.executable, "-m", "phalanx.serve.router_main", "--port", "0", "--exit-with-parent", "--policy", policy,
-           *[f"--replica={k}={v}" for k, v in sorted(replicas.items())],
-           *[f"--replica-socket={k}={v}" for k, v in sorted((sockets or {}).items()) if k in replicas],
-           *(["--hedging"] if hedging else []), *(extra or [])]
+           *[f"--replica={k}={v}" for k, v in sorted(replicas.items())], *(["--hedging"] if hedging else []),
+           *(extra or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_env(token_file))
     assert proc.stdout is not None
     deadline = time.monotonic() + ready_timeout_s
@@ -259,8 +206,7 @@ def router_config(policy: str, hedging: bool, active_requests_max: int = 256,
 def serve_forever(replicas: list[ReplicaProcess], cfg: RouterConfig, port: int, token_file: Path,
                   api_key: str | None = None, faults: list | None = None,  # type: ignore[type-arg]
                   follow: Path | None = None, host: str = "127.0.0.1") -> None:
-    router = Router({r.replica_id: r.url for r in replicas}, cfg, token=read_token_file(token_file),
-                    replica_sockets=local_sockets(replicas))
+    router = Router({r.replica_id: r.url for r in replicas}, cfg, token=read_token_file(token_file))
     sock = bind_loopback(port, host)
     url = f"http://{host}:{sock.getsockname()[1]}"
     print(f"phalanx serve: {len(replicas)} replicas, router on {url}/v1 "

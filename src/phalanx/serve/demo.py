@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.core.auth import read_token_file
-from phalanx.serve.cluster import local_sockets, make_token_file, spawn_replicas, spawn_router, stop_replicas
+from phalanx.serve.cluster import make_token_file, spawn_replicas, spawn_router, stop_replicas
 from phalanx.serve.fault_driver import run_fault_plan
 from phalanx.serve.loadtest import LoadResult, LoadSpec, run_load, summarize
 from phalanx.serve.serving_faults import ServingFault
@@ -66,8 +66,7 @@ def run_demo(run_dir: Path, checkpoint: str | None = None, duration_s: float = 2
     routers = {}
     try:
         for name, policy, hedging in POLICIES:
-            routers[name] = spawn_router({r.replica_id: r.url for r in reps}, token_file, policy, hedging,
-                                         sockets=local_sockets(reps))  # as `phalanx serve`
+            routers[name] = spawn_router({r.replica_id: r.url for r in reps}, token_file, policy, hedging)
         results, applied = asyncio.run(_run({n: r.url for n, r in routers.items()}, faults, reps,
                                             read_token_file(token_file), duration_s, rate_per_s))
     finally:

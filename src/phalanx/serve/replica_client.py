@@ -230,16 +230,11 @@ def _fail(waiter: asyncio.Future[RawResponse], exc: type[BaseException]) -> None
 
 
 class ReplicaConnections:
-    """Keep-alive connections to one replica at ``url`` (its public HTTP address, also the Host header), or, when
-    ``uds`` names one, over the Unix domain socket a local replica also listens on (``cluster.spawn_replicas``):
-    the same bytes and the same signature, a cheaper transport (docs/SERVING.md, "Session 16"). The path is
-    only an address: every request is signed with the cluster token either way."""
-
-    def __init__(self, url: str, token: bytes | None, uds: str | None = None) -> None:
+    def __init__(self, url: str, token: bytes | None) -> None:
         assert url.startswith("http://"), url
         hostport = url.removeprefix("http://").rstrip("/")
         host, _, port = hostport.rpartition(":")
-        self.host, self.port, self.token, self.uds = host, int(port), token, uds
+        self.host, self.port, self.token = host, int(port), token
         self.host_header = hostport.encode()
         self.idle: list[ReplicaConnection] = []
 
@@ -286,14 +281,8 @@ class ReplicaConnections:
 
     async def _connect(self, timeout_s: float) -> ReplicaConnection:
         loop = asyncio.get_running_loop()
-        if self.uds is None:
-            made = loop.create_connection(lambda: ReplicaConnection(loop), self.host, self.port)
-        else:
-            made = loop.create_unix_connection(lambda: ReplicaConnection(loop), self.uds)
-        try:
-            _, conn = await asyncio.wait_for(made, timeout_s)
-        except FileNotFoundError as e:  # the socket file is gone (a replica being restarted): nothing listens
-            raise ConnectionRefusedError(f"no replica listens at {self.uds}") from e
+        _, conn = await asyncio.wait_for(loop.create_connection(lambda: ReplicaConnection(loop), self.host, self.port),
+                                         timeout_s)
         return conn
 
     def _head(self, method: bytes, path: str, body: bytes) -> bytes:

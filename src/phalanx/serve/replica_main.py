@@ -39,9 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve an untrained model (tests, benchmarks)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--unix-socket", default=None, metavar="PATH",
-                    help="also listen on this Unix socket (the launcher's private directory: the router on this "
-                         "machine reaches the replica there; requests are signed as over TCP)")
     ap.add_argument("--model-name", default="phalanx-charlm")
     ap.add_argument("--batch-size-max", type=int, default=32)
     ap.add_argument("--queue-depth-max", type=int, default=64)
@@ -102,13 +99,12 @@ async def serve(args: argparse.Namespace) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # else 40 ms per answer (cluster.bind_loopback)
     sock.bind((args.host, args.port))
-    sockets = [sock, _bind_unix(args.unix_socket)] if args.unix_socket else [sock]
     server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30, lifespan="on",
                                            http=http_impl(args.event_loop),
                                            timeout_graceful_shutdown=int(args.drain_timeout_s)),
                             engine, args.drain_timeout_s)
     server.loop = asyncio.get_running_loop()
-    task = asyncio.create_task(server.serve(sockets=sockets))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     for _ in range(600):
         if server.started or task.done():
             break
@@ -129,19 +125,6 @@ async def serve(args: argparse.Namespace) -> None:
             raise
         print(f"PHALANX_REPLICA_JOINED {rid} {joined.get('members')}", flush=True)
     await task
-
-
-def _bind_unix(path: str) -> socket.socket:
-    """A listening address for the router on this machine; an existing path is refused, never replaced (whoever
-    made the directory removes what is in it: ``cluster.stop_replicas``)."""
-    usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        usock.bind(path)
-    except OSError as e:
-        usock.close()
-        raise ConfigError(f"cannot listen on the Unix socket {path}: {e}") from None
-    os.chmod(path, 0o600)  # the directory is private already (0700); a socket is not a credential either way
-    return usock
 
 
 async def _exit_with_parent(server: uvicorn.Server, parent_pid: int) -> None:

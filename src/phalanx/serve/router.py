@@ -40,13 +40,10 @@ _encode_json = msgspec.json.Encoder().encode
 
 class Router:
     def __init__(self, replica_urls: dict[str, str], cfg: RouterConfig = RouterConfig(), seed: int = 0,
-                 token: bytes | None = None, replica_sockets: dict[str, str] | None = None) -> None:
-        """``replica_sockets``: replica id -> the Unix socket a replica on this machine also listens on; its unary
-        calls and health polls go there (streams, rollout loads and faults keep its URL)."""
+                 token: bytes | None = None) -> None:
         self.cfg = cfg
         self.token = token
-        sockets = replica_sockets or {}
-        self.replicas = {rid: self._replica_state(rid, url, sockets.get(rid)) for rid, url in sorted(replica_urls.items())}
+        self.replicas = {rid: self._replica_state(rid, url) for rid, url in sorted(replica_urls.items())}
         self.rng = random.Random(seed)
         self.rr = 0
         self.active = 0
@@ -67,9 +64,9 @@ class Router:
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
                                         auth=ClusterTokenAuth(token) if token is not None else None)
 
-    def _replica_state(self, replica_id: str, url: str, uds: str | None = None) -> ReplicaState:
-        r = ReplicaState(ReplicaStats(replica_id), url, uds=uds)
-        r.conns = ReplicaConnections(url, self.token, uds)
+    def _replica_state(self, replica_id: str, url: str) -> ReplicaState:
+        r = ReplicaState(ReplicaStats(replica_id), url)
+        r.conns = ReplicaConnections(url, self.token)
         return r
 
     def close_connections(self) -> None:

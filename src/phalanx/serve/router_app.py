@@ -178,8 +178,7 @@ class RouterHttp:
                              "replicas": {rid: {"healthy": r.stats.healthy, "outstanding": r.stats.outstanding,
                                                 "ewma_latency_s": round(r.stats.ewma_latency_s, 6), "version": r.version,
                                                 "version_rank": self.router.book.rank(r.version),
-                                                "admitting": r.admitting, "url": r.url,
-                                                "unix_socket": r.uds}
+                                                "admitting": r.admitting, "url": r.url}
                                                       for rid, r in self.router.replicas.items()},
                              "events": self.router.events[-20:]})
 

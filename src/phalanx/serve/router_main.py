@@ -28,14 +28,11 @@ READY_LINE = ROUTER_READY_LINE
 
 async def _serve(args: argparse.Namespace) -> None:
     urls = dict(spec.split("=", 1) for spec in args.replica)
-    sockets = dict(spec.split("=", 1) for spec in args.replica_socket)
-    if set(sockets) - set(urls):
-        raise ConfigError(f"--replica-socket for unknown replicas {sorted(set(sockets) - set(urls))}")
     if not args.token_file:
         raise ConfigError("the router needs the cluster token its replicas accept: --token-file F or PHALANX_TOKEN_FILE")
     cfg = router_config(args.policy, args.hedging, args.active_requests_max, args.consistency, args.outlier_ratio,
                         not args.no_ejection_moves)
-    router = Router(urls, cfg, seed=args.seed, token=read_token_file(args.token_file), replica_sockets=sockets)
+    router = Router(urls, cfg, seed=args.seed, token=read_token_file(args.token_file))
     sock = bind_loopback(args.port, args.host)
     server = uvicorn.Server(uvicorn.Config(build_router_app(router, args.api_key or None), log_level="warning",
                                            lifespan="on", http=http_impl(args.event_loop),
@@ -67,9 +64,6 @@ async def _serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--replica", action="append", default=[], help="ID=URL, repeatable")
-    ap.add_argument("--replica-socket", action="append", default=[], metavar="ID=PATH",
-                    help="the Unix socket replica ID (on this machine) also listens on: unary requests and health "
-                         "polls go there, signed as over TCP (repeatable; `phalanx serve` passes its replicas')")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--host", default="127.0.0.1", help="listen address (loopback unless told otherwise)")
     ap.add_argument("--consistency", default="consistent", choices=["consistent", "available"],

@@ -36,7 +36,6 @@ class RouterConfig:
 class ReplicaState:
     stats: ReplicaStats
     url: str
-    uds: str | None = None  # a local replica's Unix socket: unary calls and polls go there (``ReplicaConnections``)
     connected: bool = False
     last_heartbeat_s: float = 0.0
     good_polls: int = 0
@@ -50,7 +49,7 @@ class ReplicaState:
     held: dict[int, tuple[float, bool]] = field(default_factory=dict)  # attempts with no output yet: key -> (start,
     # moved before); an ejection decides which of them move (routing_policy.held_to_move) ...
     move_keys: set[int] = field(default_factory=set)  # ... and marks them here; their attempt cancels itself
-    conns: ReplicaConnections = field(init=False)  # unary calls and health polls (streams use the httpx client)
+    conns: ReplicaConnections = field(init=False)  # unary calls (streams and polls use the httpx client)
 
 
 class AttemptFailed(Exception):
