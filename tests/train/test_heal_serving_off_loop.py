@@ -33,7 +33,7 @@ class _Conn:
 def test_serving_a_heal_leaves_the_event_loop_free_while_the_state_is_captured() -> None:
     def slow_state():  # what capture_training_state + encoding cost a large model, on this thread
         time.sleep(0.8)
-        return b"{}", [memoryview(b"x" * 1024)]
+        return b"{}", [memoryview(b"x" * 1024)], ""
 
     async def main() -> tuple[float, list[object]]:
         agent = WorkerAgent(RealHost("w0", transport=None), WorkerConfig("w0", "c:1"), pg_factory=None,  # type: ignore[arg-type]

@@ -229,9 +229,9 @@ class SimWorker:
         return buckets
 
     # ---- TrainingState ----
-    def _capture(self) -> tuple[bytes, list[memoryview]]:
+    def _capture(self) -> tuple[bytes, list[memoryview], str]:
         assert self.agent is not None
-        return msgspec.json.encode({"step": self.agent.last_committed_step}), [memoryview(self.w.tobytes())]
+        return msgspec.json.encode({"step": self.agent.last_committed_step}), [memoryview(self.w.tobytes())], ""
 
     async def restore_checkpoint(self, path: str) -> int:
         step, self.w = self.env.checkpoints.read(path)

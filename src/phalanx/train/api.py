@@ -235,12 +235,13 @@ class Job:
                 self._buckets.disarm()
         engine.result()  # re-raises how the engine ended: FinalStateUnavailable, JobFailed, ...
 
-    def _encode_state(self) -> tuple[bytes, list[memoryview]]:
-        from phalanx.checkpoint.state_codec import capture_training_state, encode_training_state
+    def _encode_state(self) -> tuple[bytes, list[memoryview], str]:
+        from phalanx.checkpoint.state_codec import capture_training_state, encode_training_state, header_checksum
 
         assert self.model is not None
         state = capture_training_state(self.model, self.optimizer, {"step": self.agent.last_committed_step})
-        return encode_training_state(state)
+        header, buffers = encode_training_state(state)
+        return header, buffers, header_checksum(header)
 
     def _arm(self, st: Step) -> None:
         """The step's shard is known: from here, completed gradient buckets start their all-reduce

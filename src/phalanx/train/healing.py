@@ -170,12 +170,16 @@ class Healing:
             return self._snapshot
 
     def _capture(self, quorum_id: int) -> tuple[int, bytes, list[memoryview], str]:
+        """The provider's snapshot and its SHA-256 (hashed here only if the provider has none: a
+        real worker's encoder already hashed these very buffers, 0.2-0.4 s at 300 MB)."""
         assert self.state_provider is not None, "a heal source needs a state provider"
-        header, buffers = self.state_provider()
-        digest = hashlib.sha256()
-        for b in buffers:
-            digest.update(b)
-        return quorum_id, header, buffers, digest.hexdigest()
+        header, buffers, checksum = self.state_provider()
+        if not checksum:
+            digest = hashlib.sha256()
+            for b in buffers:
+                digest.update(b)
+            checksum = digest.hexdigest()
+        return quorum_id, header, buffers, checksum
 
 
 def frames_of(chunks: list[memoryview], frame_bytes: int, buffers_max: int) -> list[list[memoryview]]:

@@ -38,7 +38,7 @@ class TorchState:
         from phalanx.checkpoint.state_codec import decode_training_state, restore_training_state
 
         def load() -> None:
-            state = decode_training_state(healed.header, healed.buffers)
+            state = decode_training_state(healed.header, healed.buffers, verified_sha256=healed.checksum)
             restore_training_state(self._job.model, self._job.optimizer, state)
 
         await asyncio.to_thread(load)

@@ -28,7 +28,8 @@ from phalanx.train.healing import Healing, HealedState
 __all__ = ["Assignment", "HealedState", "StateProvider", "WorkerAgent", "WorkerConfig"]
 
 # (state header, buffers) of the live training state, captured on demand for a heal
-StateProvider = Callable[[], tuple[bytes, list[memoryview]]]
+# (header, buffers, SHA-256 hex of the buffers' bytes in order, or "" when the provider has none)
+StateProvider = Callable[[], tuple[bytes, list[memoryview], str]]
 
 
 class WorkerAgent(Healing):
