@@ -90,10 +90,61 @@ async def _poisson_lean_s(url: str, token: bytes | None, rate: float, duration_s
     return lat, failed
 
 
+async def _interleaved_lean_s(direct_url: str, token: bytes | None, router_url: str, rate: float, duration_s: float,
+                              block_s: float = 0.5, seed: int = 11) -> dict[str, Any]:
+    """One open-loop Poisson stream of 1-token completions at ``rate`` that alternates its target every ``block_s``:
+    the replica's public TCP port (direct, signed as the router signs) and the router. The replica sees a steady
+    ``rate`` throughout; both sides share the same minutes of the box, so a load that drifts (another job starting
+    on a shared 2-core machine) moves both alike instead of landing on one of two back-to-back 10 s runs (session
+    15: two direct runs a minute apart differed by 0.5 ms p50). Blocks alternate which side goes first. Returns
+    each side's latencies and failures."""
+    import random
+
+    from phalanx.serve.replica_client import ReplicaConnections
+
+    clients = {"direct": ReplicaConnections(direct_url, token), "router": ReplicaConnections(router_url, None)}
+    lat: dict[str, list[float]] = {"direct": [], "router": []}
+    failed = {"direct": 0, "router": 0}
+    rng = random.Random(seed)
+
+    async def one(side: str, i: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            r = await clients[side].post("/v1/completions", json.dumps(
+                {"model": "phalanx-charlm", "prompt": "The ", "max_tokens": 1, "seed": i}).encode(), 30)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+            failed[side] += 1
+            return
+        if r.status == 200:
+            lat[side].append(time.perf_counter() - t0)
+        else:
+            failed[side] += 1
+
+    tasks: set[asyncio.Task[None]] = set()
+    start_s = next_s = time.monotonic()
+    end_s, i = start_s + duration_s, 0
+    while next_s < end_s:  # bounded by the duration
+        await asyncio.sleep(max(0.0, next_s - time.monotonic()))
+        block = int((next_s - start_s) / block_s)
+        side = ("direct", "router")[(block + block // 2) % 2]  # D R R D D R R D ...: neither side always first
+        t = asyncio.create_task(one(side, i))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+        i += 1
+        next_s += rng.expovariate(rate)
+    if tasks:
+        await asyncio.wait(tasks, timeout=60)
+    for c in clients.values():
+        c.close()
+    return {"latencies_s": lat, "failed": failed}
+
+
 def router_overhead(token_file: Path, duration_s: float, rate: float = 200.0) -> dict[str, Any]:
     """The replica called directly and through the router, one request at a time and at ``rate`` req/s (open
     loop, lean client), first with both processes on asyncio + h11, then on uvloop + httptools (what
-    `phalanx serve` runs when they are installed): the same box state for both."""
+    `phalanx serve` runs when they are installed): the same box state for both. On uvloop, also the two
+    interleaved in one stream (``_interleaved_lean_s``); the headline stays router p50 less the lower of the two
+    direct runs' p50."""
     token = read_token_file(token_file)
     out: dict[str, Any] = {"rate_per_s": rate}
     for kind in ("asyncio", "auto"):
@@ -114,6 +165,18 @@ def router_overhead(token_file: Path, duration_s: float, rate: float = 200.0) ->
                 if name == "router":
                     res["router_cpu_ms_per_request"] = 1000 * (_cpu_s(router.proc.pid) - cpu0) / max(len(lat), 1)
                 print(f"[overhead {kind}] {name}: {res[name]}", flush=True)
+            if kind == "auto":  # the headline only (20 s more): the same comparison interleaved in 0.5 s blocks
+                # over one 2 x duration_s Poisson stream (session 16)
+                inter = asyncio.run(_interleaved_lean_s(reps[0].url, token, router.url, rate, 2 * duration_s))
+                il = inter["latencies_s"]
+                res["interleaved"] = {side: {"ok": len(il[side]), "errors": inter["failed"][side],
+                                             "p50_s": quantile(il[side], 0.5), "p99_s": quantile(il[side], 0.99)}
+                                      for side in ("direct", "router")}
+                res["interleaved_added_p50_ms"] = 1000 * (res["interleaved"]["router"]["p50_s"] -
+                                                          res["interleaved"]["direct"]["p50_s"])
+                res["interleaved_added_p99_ms"] = 1000 * (res["interleaved"]["router"]["p99_s"] -
+                                                          res["interleaved"]["direct"]["p99_s"])
+                print(f"[overhead {kind}] interleaved: {res['interleaved']}", flush=True)
         finally:
             router.stop()
             stop_replicas(reps)
@@ -187,6 +250,11 @@ def overhead_report(o: dict[str, Any]) -> list[str]:
                   f"+{o['added_p99_ms']:.2f} ms p99 (direct p50 {1000 * o['direct']['p50_s']:.2f} ms, "
                   f"routed p50 {1000 * o['router']['p50_s']:.2f} ms); the router spends "
                   f"{o['router_cpu_ms_per_request']:.2f} ms of CPU per request",
+              f"... interleaved (direct and routed alternating every 0.5 s in one Poisson stream at that rate, "
+              f"{o['interleaved']['direct']['ok']} direct, {o['interleaved']['router']['ok']} routed): +{o['interleaved_added_p50_ms']:.2f} ms p50, "
+              f"+{o['interleaved_added_p99_ms']:.2f} ms p99 (direct p50 "
+              f"{1000 * o['interleaved']['direct']['p50_s']:.2f} ms, routed "
+              f"{1000 * o['interleaved']['router']['p50_s']:.2f} ms)" if "interleaved" in o else "... (not interleaved)",
               f"Router overhead one request at a time (no queue; lean keep-alive client): "
               f"+{o['sequential_added_p50_ms']:.2f} ms p50, +{o['sequential_added_p99_ms']:.2f} ms p99 (direct p50 "
               f"{1000 * o['sequential direct']['p50_s']:.2f} ms, routed "
