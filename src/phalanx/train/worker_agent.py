@@ -28,8 +28,7 @@ from phalanx.train.healing import Healing, HealedState
 __all__ = ["Assignment", "HealedState", "StateProvider", "WorkerAgent", "WorkerConfig"]
 
 # (state header, buffers) of the live training state, captured on demand for a heal
-# (header, buffers, SHA-256 hex of the buffers' bytes in order, or "" when the provider has none)
-StateProvider = Callable[[], tuple[bytes, list[memoryview], str]]
+StateProvider = Callable[[], tuple[bytes, list[memoryview], str]]  # header, buffers, their SHA-256 hex ("": none)
 
 
 class WorkerAgent(Healing):
