@@ -24,7 +24,7 @@ from phalanx.core.modes import ConsistencyMode
 from phalanx.membership import failure_detector as fd
 from phalanx.membership import policy
 from phalanx.membership.coordinator_state import (
-    EVENTS_KEPT, CommitRecord, CoordinatorConfig, CurrentQuorum, apply_mode,
+    EVENTS_KEPT, CommitRecord, CoordinatorConfig, CurrentQuorum, StepPace, apply_mode,
 )
 from phalanx.membership.quorum import (
     Action, MemberView, QuorumDecision, QuorumView, Verdict, decide_commit, decide_quorum,
@@ -40,6 +40,7 @@ class Coordinator(WorkerMessages):
                  resume: tuple[str, int] | None = None,
                  on_commit: Callable[[CommitRecord], None] | None = None) -> None:
         self.host, self.cfg, self.store_address = host, apply_mode(cfg), store_address
+        self._pace = StepPace(cfg)  # available mode: the deadline follows the recent step time
         self._on_event = on_event
         self._on_commit = on_commit  # gets every commit record, before the decision leaves the process
         self.sessions = Sessions()
@@ -49,8 +50,7 @@ class Coordinator(WorkerMessages):
         self.max_id_seen = 0
         # the last cfg.commits_kept records only; the full history is the on_commit sink's
         self.commits: deque[CommitRecord] = deque(maxlen=max(1, cfg.commits_kept))
-        self.commits_total = 0
-        self.steps_retried = 0
+        self.commits_total = self.steps_retried = 0
         self.stall_reason = ""
         self.total_steps = -1  # the loop's length as workers report it (-1: unknown)
         self.completed_workers = 0  # workers that said Goodbye holding the final state
@@ -61,8 +61,7 @@ class Coordinator(WorkerMessages):
         # quorum requests by how they came: a QuorumRequest message, or in a step's report (the fast path)
         self.quorum_requests = {"sent": 0, "in_reports": 0}
         self._speed: dict[str, float] = {}  # available mode: share of the batch per compute second
-        self._t0 = host.now()
-        self._last_commit_s = host.now()
+        self._t0 = self._last_commit_s = host.now()
         self._floor_commit: tuple[int, frozenset[str]] | None = None  # see raise_floor
         self._stopped = False
         self.all_done = asyncio.Event()
@@ -263,6 +262,7 @@ class Coordinator(WorkerMessages):
             self._on_commit(rec)  # the full log (RUN/commits.jsonl) holds it before any worker hears of it
         self.cluster_step = q.step
         self._last_commit_s = now
+        self.cfg = self._pace.on_commit(rec.step_s, self.cfg)
         # recorded (the launcher's durable floor) before any decision leaves the process
         self.emit("step_committed", step=q.step, quorum_id=q.quorum_id, members=list(q.members), loss=loss,
                   step_s=rec.step_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from phalanx.core.modes import ConsistencyMode, ModeConfig
@@ -32,21 +34,67 @@ class CoordinatorConfig:
     commits_kept: int = 4096
 
 
-def apply_mode(cfg: CoordinatorConfig) -> CoordinatorConfig:
+# Available mode's deadline follows the step (issue 12). A member this far behind its peers inside
+# a step, measured in recent committed step times, is a straggler: a whole step behind. Ordinary
+# skew between healthy members is a few tens of percent of a step and is not. The user's deadline_s
+# stays the floor (at 25-40 ms steps it still decides), strict's timeouts the ceiling.
+STEP_FACTOR = 1.0
+STEP_WINDOW = 7  # commits in the running median: odd, and robust to a retried or healing step or two
+
+
+def scaled_deadline_s(floor_s: float, recent_step_s: float, ceiling_s: float, factor: float = STEP_FACTOR) -> float:
+    """``max(floor_s, factor * recent_step_s)``, capped at ``ceiling_s`` (strict's timeout). Monotone
+    in the step time; at or above the floor unless the floor itself is above the ceiling."""
+    return min(ceiling_s, max(floor_s, factor * max(recent_step_s, 0.0)))
+
+
+def median_step_s(step_times_s: Sequence[float]) -> float:
+    """The median of recent committed step times (0.0: none yet, the floor decides)."""
+    s = sorted(step_times_s)
+    n = len(s)
+    if n == 0:
+        return 0.0
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def apply_mode(cfg: CoordinatorConfig, recent_step_s: float = 0.0) -> CoordinatorConfig:
     """The timeouts each consistency mode implies (core.modes explains the modes).
 
-    available: a formed step waits at most ``deadline_s`` for members not yet asking, and a member
-    that falls ``deadline_s`` behind the others inside a step is dropped from it (it rejoins at the
-    next step). local-sgd: members with any state merge in instead of being healed over.
+    available: a formed step waits at most the deadline for members not yet asking, and a member
+    that falls the deadline behind the others inside a step is dropped from it (it rejoins at the
+    next step). The deadline is ``deadline_s`` or, at long steps, ``STEP_FACTOR`` recent step
+    times (``scaled_deadline_s``), never above strict's timeouts. local-sgd: members with any state
+    merge in instead of being healed over. ``cfg`` is the configuration before any mode applied.
     """
     m = cfg.modes
     if m.mode is ConsistencyMode.AVAILABLE:
-        q = replace(cfg.quorum, join_timeout_s=min(cfg.quorum.join_timeout_s, m.deadline_s))
-        d = replace(cfg.detector, progress_timeout_s=min(cfg.detector.progress_timeout_s, max(m.deadline_s, 0.1)))
-        return replace(cfg, quorum=q, detector=d)
+        join_s = scaled_deadline_s(m.deadline_s, recent_step_s, cfg.quorum.join_timeout_s)
+        progress_s = scaled_deadline_s(max(m.deadline_s, 0.1), recent_step_s, cfg.detector.progress_timeout_s)
+        return replace(cfg, quorum=replace(cfg.quorum, join_timeout_s=join_s),
+                       detector=replace(cfg.detector, progress_timeout_s=progress_s))
     if m.mode is ConsistencyMode.LOCAL_SGD:
         return replace(cfg, quorum=replace(cfg.quorum, merge_stale=True))
     return cfg
+
+
+class StepPace:
+    """The coordinator's running estimate of the committed step time, and the configuration it
+    implies (available mode only: strict and local-sgd keep theirs, untouched). Deterministic in
+    the commit records, so the simulator's virtual time drives it the same way."""
+
+    def __init__(self, base: CoordinatorConfig) -> None:
+        self.base = base  # before apply_mode: strict's timeouts are the ceilings
+        self.active = base.modes.mode is ConsistencyMode.AVAILABLE
+        self.step_times_s: deque[float] = deque(maxlen=STEP_WINDOW)
+        self.commits_seen = 0
+
+    def on_commit(self, step_s: float, current: CoordinatorConfig) -> CoordinatorConfig:
+        """The configuration after a commit that took ``step_s`` since the previous one."""
+        self.commits_seen += 1
+        if not self.active or self.commits_seen == 1:
+            return current  # an incarnation's first commit also timed the start (workers importing torch)
+        self.step_times_s.append(step_s)
+        return apply_mode(self.base, median_step_s(self.step_times_s))
 
 
 @dataclass
