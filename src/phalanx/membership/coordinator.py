@@ -17,9 +17,7 @@ from typing import Any
 
 from phalanx.core.errors import TransportError
 from phalanx.core.host import Host
-from phalanx.core.messages import (
-    BUNDLE_MAX, Bundle, InjectFault, QuorumAssigned, QuorumBroken, Shutdown, StepDecision,
-)
+from phalanx.core.messages import InjectFault, QuorumAssigned, QuorumBroken, Shutdown, StepDecision
 from phalanx.core.modes import ConsistencyMode
 from phalanx.membership import failure_detector as fd
 from phalanx.membership import policy
@@ -30,7 +28,7 @@ from phalanx.membership.quorum import (
     Action, MemberView, QuorumDecision, QuorumView, Verdict, decide_commit, decide_quorum,
 )
 from phalanx.membership.sessions import Sessions, SuspicionCause, WorkerSession
-from phalanx.membership.worker_messages import WorkerMessages
+from phalanx.membership.worker_messages import WorkerMessages, _next_frame
 
 __all__ = ["Coordinator", "CoordinatorConfig", "CommitRecord", "WorkerSession", "apply_mode"]
 
@@ -56,6 +54,7 @@ class Coordinator(WorkerMessages):
         self.completed_workers = 0  # workers that said Goodbye holding the final state
         self.formed_any = False  # this incarnation formed a quorum: it knows every step and id since
         self._form_blocked = False  # a message-triggered formation found nothing to form this tick
+        self._late_s = 0.0  # how late the running tick is: the coordinator itself was not running
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.refused: dict[str, int] = {}  # messages refused, by kind (events for the first few)
         # quorum requests by how they came: a QuorumRequest message, or in a step's report (the fast path)
@@ -168,11 +167,15 @@ class Coordinator(WorkerMessages):
     async def _ticker(self) -> None:
         ticks = 0
         while not self._stopped:
+            due_s = self.host.now() + self.cfg.tick_s
             await self.host.sleep(self.cfg.tick_s)
             if self._stopped:
                 return
             ticks += 1
             self._form_blocked = False
+            self._late_s = fd.own_lateness_s(self.host.now(), due_s)
+            if self._late_s > self.cfg.detector.heartbeat_timeout_s / 2:  # worth a line in the events
+                self.emit("coordinator_late", late_s=round(self._late_s, 3))
             self._evaluate(from_tick=True)
             self._release_drainers()
             if ticks % HOUSEKEEPING_TICKS == 0:  # O(sessions) each: not on every tick at 1,000s of workers
@@ -219,6 +222,7 @@ class Coordinator(WorkerMessages):
         return self.cfg.modes.mode is not ConsistencyMode.LOCAL_SGD
 
     def _detect(self, now: float) -> None:
+        now -= self._late_s  # silence is judged as of when this tick was due (failure_detector.own_lateness_s)
         # Only sessions that could be suspects go to the pure decision (cheap pre-filter at scale).
         stale_before = now - self.cfg.detector.heartbeat_timeout_s
         alive = {s.worker_id: fd.Liveness(s.connected, s.last_heartbeat_s) for s in self.sessions.unordered()
@@ -405,16 +409,3 @@ class Coordinator(WorkerMessages):
 
 
 HOUSEKEEPING_TICKS = 50  # the session-count self-check and the pruning of departed sessions
-_BUNDLED = (QuorumAssigned, QuorumBroken, StepDecision, InjectFault, Shutdown)
-
-
-def _next_frame(pending: deque[Any]) -> Any:
-    """The next frame from the front of ``pending``: one message alone, or the longest run (up to
-    BUNDLE_MAX) of messages that may be bundled, as one Bundle."""
-    first = pending.popleft()
-    if not pending or not isinstance(first, _BUNDLED) or not isinstance(pending[0], _BUNDLED):
-        return first
-    items = [first]
-    while pending and len(items) < BUNDLE_MAX and isinstance(pending[0], _BUNDLED):
-        items.append(pending.popleft())
-    return Bundle(items=items)

@@ -54,6 +54,16 @@ def heartbeat_suspects(now: float, workers: Mapping[str, Liveness], cfg: Detecto
     return out
 
 
+def own_lateness_s(now: float, due_s: float) -> float:
+    """How late a detection tick runs (0 when on time). A late tick means the coordinator itself
+    was not running (a GC pause, a starved or SIGSTOPped process): what workers sent meanwhile is
+    still unread in its sockets, so their silence is judged as of when the tick was due, not now.
+    Without this a 1 s stall of the coordinator blamed every worker and aborted the step. The next
+    tick on time judges by the clock again (by then the reader has caught up), so a stall delays
+    detection by itself, and a coordinator late on every tick detects that much later."""
+    return max(0.0, now - due_s)
+
+
 def progress_suspects(now: float, phases: Mapping[str, tuple[Phase, float]], cfg: DetectorConfig) -> list[Suspicion]:
     """Members left behind: another member reached a later phase over progress_timeout_s ago.
 

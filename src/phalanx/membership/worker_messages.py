@@ -5,14 +5,16 @@ still be buggy or older) and returning whether a decision may now be due. Mixed 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phalanx.core.errors import TransportError
 from phalanx.core.host import Connection
 from phalanx.core.messages import (
-    AllreduceDone, CheckpointUnusable, CheckpointWritten, Goodbye, HealDone, Heartbeat, Hello, Progress, QuorumCancel,
-    QuorumRequest, Refused, StepDecision, Welcome,
+    BUNDLE_MAX, AllreduceDone, Bundle, CheckpointUnusable, CheckpointWritten, Goodbye, HealDone, Heartbeat, Hello,
+    InjectFault, Progress, QuorumAssigned, QuorumBroken, QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision,
+    Welcome,
 )
 from phalanx.membership import failure_detector as fd
 from phalanx.membership import policy
@@ -273,3 +275,18 @@ async def _send_quiet(conn: Connection, message: Any) -> None:
 async def _refuse(conn: Connection, reason: str) -> None:
     await _send_quiet(conn, Refused(reason=reason))
     conn.close(reason)
+
+
+_BUNDLED = (QuorumAssigned, QuorumBroken, StepDecision, InjectFault, Shutdown)
+
+
+def _next_frame(pending: deque[Any]) -> Any:
+    """The next frame from the front of ``pending``: one message alone, or the longest run (up to
+    BUNDLE_MAX) of messages that may be bundled, as one Bundle."""
+    first = pending.popleft()
+    if not pending or not isinstance(first, _BUNDLED) or not isinstance(pending[0], _BUNDLED):
+        return first
+    items = [first]
+    while pending and len(items) < BUNDLE_MAX and isinstance(pending[0], _BUNDLED):
+        items.append(pending.popleft())
+    return Bundle(items=items)
