@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--mode", default="strict", choices=["strict", "available", "local-sgd"],
                    help="consistency mode (default strict; see docs/ARCHITECTURE.md, Consistency modes)")
     t.add_argument("--deadline-s", type=float, default=0.25,
-                   help="available: how long a step waits for members that have not turned up (default 0.25)")
+                   help="available: how long a step waits for members that have not turned up, at least; at long "
+                        "steps the deadline is one recent step time (default 0.25)")
     t.add_argument("--sync-every", type=int, default=10, help="local-sgd: local steps between merges (default 10)")
     t.add_argument("--max-staleness", type=int, default=30,
                    help="local-sgd: local steps past the last merge before a worker blocks (default 30)")

@@ -31,7 +31,7 @@ class ConsistencyMode(str, Enum):
 @dataclass(frozen=True)
 class ModeConfig:
     mode: ConsistencyMode = ConsistencyMode.STRICT
-    deadline_s: float = 0.25  # available: how long a formed step waits for members to turn up
+    deadline_s: float = 0.25  # available: the least a formed step waits for members (at long steps: one step time)
     sync_every_steps: int = 10  # local-sgd: H, local steps between merges
     max_staleness_steps: int = 30  # local-sgd: local steps past the last merge before a worker blocks
     sync_timeout_s: float = 1.0  # local-sgd: how long a non-blocking sync attempt waits for a quorum
