@@ -53,13 +53,28 @@ class Healing:
         opens the quorum's process group when every target has acked, and the group's deadline
         must not run while a target still decodes and copies its state (three joiners loading
         300 MB each at once on two cores outlasted the 5 s group deadline, and everyone healed
-        again)."""
+        again). The load itself is neither raced against the quorum breaking nor timed: a load
+        cancelled half way would go on in its thread while the engine moved on to the next heal."""
         try:
-            return await asyncio.wait_for(self._race_broken(a, self._fetch(a, load)), self.cfg.heal_timeout_s)
+            conn, healed = await asyncio.wait_for(self._race_broken(a, self._fetch(a)), self.cfg.heal_timeout_s)
         except (TransportError, asyncio.TimeoutError) as e:
             raise HealError(f"healing from {a.heal_from} failed: {e or 'timed out'}") from e
+        try:
+            loaded = False
+            try:
+                await load(healed)
+                loaded = True
+            finally:  # best effort: a source that is gone has nothing left to learn from it
+                with contextlib.suppress(TransportError, asyncio.TimeoutError):
+                    await asyncio.wait_for(conn.send(HealAck(quorum_id=a.quorum_id, checksum=healed.checksum,
+                                                             ok=loaded)), self.cfg.connect_timeout_s)
+        finally:
+            conn.close()
+        return healed
 
-    async def _fetch(self, a: Assignment, load: Callable[[HealedState], Awaitable[None]]) -> HealedState:
+    async def _fetch(self, a: Assignment) -> tuple[Connection, HealedState]:
+        """The state's bytes, checked against the source's SHA-256; the connection stays open for
+        the acknowledgement (closed here only on failure)."""
         conn = await self.host.transport.connect(a.heal_address, self.cfg.connect_timeout_s)
         try:
             await conn.send(HealRequest(worker_id=self.cfg.worker_id, quorum_id=a.quorum_id, step=a.step))
@@ -83,19 +98,10 @@ class Healing:
                 raise HealError(f"state from {a.heal_from} failed its checksum ({checksum[:12]} != {offer.checksum[:12]})")
             from phalanx.checkpoint.chunks import join_chunks
             buffers = await self.host.run_blocking(lambda: join_chunks(chunks, list(offer.buffer_sizes)))
-            healed = HealedState(offer.state_header, buffers, checksum, a.heal_from)
-            loaded = False
-            try:
-                await load(healed)
-                loaded = True
-            finally:  # a load that fails is a failed heal for the source too (best effort: we are leaving)
-                if not loaded:
-                    with contextlib.suppress(TransportError):
-                        await conn.send(HealAck(quorum_id=a.quorum_id, checksum=checksum, ok=False))
-            await conn.send(HealAck(quorum_id=a.quorum_id, checksum=checksum, ok=True))
-            return healed
-        finally:
+            return conn, HealedState(offer.state_header, buffers, checksum, a.heal_from)
+        except BaseException:
             conn.close()
+            raise
 
     async def heal_done(self, a: Assignment, checksum: str) -> None:
         self.last_committed_step, self.has_state = a.step - 1, True
