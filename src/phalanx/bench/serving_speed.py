@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -74,20 +75,27 @@ async def _poisson_lean_s(url: str, token: bytes | None, rate: float, duration_s
         else:
             failed += 1
 
+    await _open_loop(rate, duration_s, rng, lambda _at_s, i: one(i))
+    c.close()
+    return lat, failed
+
+
+async def _open_loop(rate: float, duration_s: float, rng: Any,
+                     launch: Callable[[float, int], Coroutine[Any, Any, None]]) -> None:
+    """Open-loop Poisson arrivals at ``rate`` for ``duration_s``: ``launch(seconds since the start, i)``
+    runs as a task at each; then waits (at most 60 s) for those still running."""
     tasks: set[asyncio.Task[None]] = set()
-    next_s = time.monotonic()
-    end_s, i = next_s + duration_s, 0
+    start_s = next_s = time.monotonic()
+    end_s, i = start_s + duration_s, 0
     while next_s < end_s:  # bounded by the duration
         await asyncio.sleep(max(0.0, next_s - time.monotonic()))
-        t = asyncio.create_task(one(i))
+        t = asyncio.create_task(launch(next_s - start_s, i))
         tasks.add(t)
         t.add_done_callback(tasks.discard)
         i += 1
         next_s += rng.expovariate(rate)
     if tasks:
         await asyncio.wait(tasks, timeout=60)
-    c.close()
-    return lat, failed
 
 
 async def _interleaved_lean_s(direct_url: str, token: bytes | None, router_url: str, rate: float, duration_s: float,
@@ -120,20 +128,11 @@ async def _interleaved_lean_s(direct_url: str, token: bytes | None, router_url: 
         else:
             failed[side] += 1
 
-    tasks: set[asyncio.Task[None]] = set()
-    start_s = next_s = time.monotonic()
-    end_s, i = start_s + duration_s, 0
-    while next_s < end_s:  # bounded by the duration
-        await asyncio.sleep(max(0.0, next_s - time.monotonic()))
-        block = int((next_s - start_s) / block_s)
-        side = ("direct", "router")[(block + block // 2) % 2]  # D R R D D R R D ...: neither side always first
-        t = asyncio.create_task(one(side, i))
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
-        i += 1
-        next_s += rng.expovariate(rate)
-    if tasks:
-        await asyncio.wait(tasks, timeout=60)
+    def side_at(at_s: float) -> str:
+        block = int(at_s / block_s)
+        return ("direct", "router")[(block + block // 2) % 2]  # D R R D D R R D ...: neither side always first
+
+    await _open_loop(rate, duration_s, rng, lambda at_s, i: one(side_at(at_s), i))
     for c in clients.values():
         c.close()
     return {"latencies_s": lat, "failed": failed}
