@@ -28,7 +28,7 @@ from phalanx.membership.quorum import (
     Action, MemberView, QuorumDecision, QuorumView, Verdict, decide_commit, decide_quorum,
 )
 from phalanx.membership.sessions import Sessions, SuspicionCause, WorkerSession
-from phalanx.membership.worker_messages import WorkerMessages, _next_frame
+from phalanx.membership.worker_messages import WorkerMessages, next_frame
 
 __all__ = ["Coordinator", "CoordinatorConfig", "CommitRecord", "WorkerSession", "apply_mode"]
 
@@ -159,7 +159,7 @@ class Coordinator(WorkerMessages):
             while not outbox.empty():
                 pending.append(outbox.get_nowait())
             try:
-                await s.conn.send(_next_frame(pending))
+                await s.conn.send(next_frame(pending))
             except TransportError:
                 return
 

@@ -280,7 +280,7 @@ async def _refuse(conn: Connection, reason: str) -> None:
 _BUNDLED = (QuorumAssigned, QuorumBroken, StepDecision, InjectFault, Shutdown)
 
 
-def _next_frame(pending: deque[Any]) -> Any:
+def next_frame(pending: deque[Any]) -> Any:
     """The next frame from the front of ``pending``: one message alone, or the longest run (up to
     BUNDLE_MAX) of messages that may be bundled, as one Bundle."""
     first = pending.popleft()

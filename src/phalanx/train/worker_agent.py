@@ -27,8 +27,8 @@ from phalanx.train.healing import Healing, HealedState
 
 __all__ = ["Assignment", "HealedState", "StateProvider", "WorkerAgent", "WorkerConfig"]
 
-# (state header, buffers) of the live training state, captured on demand for a heal
-StateProvider = Callable[[], tuple[bytes, list[memoryview], str]]  # header, buffers, their SHA-256 hex ("": none)
+# (state header, buffers, their SHA-256 hex or "" if the provider has none): the live training state for a heal
+StateProvider = Callable[[], tuple[bytes, list[memoryview], str]]
 
 
 class WorkerAgent(Healing):
