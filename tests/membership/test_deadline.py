@@ -72,7 +72,8 @@ def test_strict_and_local_sgd_ignore_the_step_time(mode):
     base = CoordinatorConfig(modes=ModeConfig(mode=mode))
     assert apply_mode(base, recent_step_s=0.9) == apply_mode(base)
     pace = StepPace(base)
-    cfg = apply_mode(base)
+    cfg = pace.before_any_step()
+    assert cfg == apply_mode(base)
     for _ in range(10):
         assert pace.on_commit(0.9, cfg) is cfg
 
@@ -80,9 +81,12 @@ def test_strict_and_local_sgd_ignore_the_step_time(mode):
 def test_step_pace_skips_the_first_commit_and_follows_the_median_of_the_window():
     base = _available()
     pace = StepPace(base)
-    cfg = apply_mode(base)
+    cfg = pace.before_any_step()  # no step timed yet: strict's timeouts, not the 0.25 s floor
+    assert cfg == base and cfg.detector.progress_timeout_s == 2.0
     cfg = pace.on_commit(40.0, cfg)  # the first commit timed the workers' start too: ignored
-    assert cfg.detector.progress_timeout_s == 0.25
+    assert cfg == base
+    cfg = pace.on_commit(0.03, cfg)  # one step timed: the deadline applies (here the floor)
+    assert cfg == apply_mode(base) and cfg.detector.progress_timeout_s == 0.25
     for _ in range(STEP_WINDOW):
         cfg = pace.on_commit(0.6, cfg)
     assert cfg.detector.progress_timeout_s == pytest.approx(0.6 * STEP_FACTOR)
@@ -96,7 +100,7 @@ def test_step_pace_skips_the_first_commit_and_follows_the_median_of_the_window()
 def test_step_pace_keeps_the_users_deadline_as_the_floor():
     base = _available(deadline_s=1.5)
     pace = StepPace(base)
-    cfg = apply_mode(base)
+    cfg = pace.before_any_step()
     for _ in range(STEP_WINDOW + 1):
         cfg = pace.on_commit(0.6, cfg)
     assert cfg.detector.progress_timeout_s == 1.5

@@ -42,3 +42,14 @@ def test_a_10x_straggler_at_long_steps_is_still_dropped():
     dropped = [e for e in avail.events_of("worker_suspected", 3) if e["cause"] == "no_progress"]
     assert dropped, "the 10x straggler was never dropped from a step"
     assert avail.summary["virtual_s"] < 0.9 * _run(_straggler(10.0)).summary["virtual_s"]  # 34.0 vs 41.8 s
+
+
+def test_a_slow_first_step_is_not_a_straggler_before_any_step_was_timed():
+    # a member 1.6x slow on its first step (warm-up: first buckets, page faults): with no step
+    # timed yet, the 0.25 s floor dropped it and the retried step rebuilt the group; now the first
+    # steps wait as strict does, and the deadline applies once a step time is known
+    warmup = parse_fault_plan('[[fault]]\nkind = "straggler"\nworker = 2\nfactor = 1.6\nat_step = 0\nfor_s = 0.9\n',
+                              "<t>")
+    avail = _run(warmup, AVAILABLE, jitter=0.0)
+    assert avail.summary["steps_retried"] == 0
+    assert not avail.events_of("worker_suspected")

@@ -37,8 +37,8 @@ class Coordinator(WorkerMessages):
                  on_event: Callable[[dict[str, Any]], None] | None = None,
                  resume: tuple[str, int] | None = None,
                  on_commit: Callable[[CommitRecord], None] | None = None) -> None:
-        self.host, self.cfg, self.store_address = host, apply_mode(cfg), store_address
         self._pace = StepPace(cfg)  # available mode: the deadline follows the recent step time
+        self.host, self.cfg, self.store_address = host, self._pace.before_any_step(), store_address
         self._on_event = on_event
         self._on_commit = on_commit  # gets every commit record, before the decision leaves the process
         self.sessions = Sessions()

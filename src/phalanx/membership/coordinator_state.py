@@ -88,6 +88,13 @@ class StepPace:
         self.step_times_s: deque[float] = deque(maxlen=STEP_WINDOW)
         self.commits_seen = 0
 
+    def before_any_step(self) -> CoordinatorConfig:
+        """The configuration until a step has been timed. Available mode starts at strict's
+        timeouts: before any step time is known, a member still importing torch or building its
+        first buckets cannot be told from a straggler (at 25 M parameters the user's 0.25 s floor
+        dropped healthy members from the first steps, and the retried step rebuilt the group)."""
+        return self.base if self.active else apply_mode(self.base)
+
     def on_commit(self, step_s: float, current: CoordinatorConfig) -> CoordinatorConfig:
         """The configuration after a commit that took ``step_s`` since the previous one."""
         self.commits_seen += 1
