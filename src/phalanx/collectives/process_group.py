@@ -1,14 +1,12 @@
 """ProcessGroup seam: the data plane, rebuilt for every quorum id.
 
 ``TorchProcessGroup`` wraps torch.distributed's groups: Gloo for CPU tensors, NCCL for CUDA ones
-(:func:`backend_for`; the NCCL group of a quorum is made on its first CUDA tensor, so a CPU model
-on a machine with GPUs trains over Gloo, and NCCL's communicator is only set up where used). A collective is
-awaited with a deadline; a group whose collective failed or passed its deadline is *abandoned*:
-never waited on again. An abandoned Gloo group is dropped at once, on a thread of its own (kept, one
-whose peer was SIGKILLed mid-collective spun a ``gloo_tcp_loop`` thread at a full core; its
-destructor releases the GIL while it waits out a frozen peer's collective). NCCL groups, whose
-teardown with work in flight was not measured, stay in a bounded graveyard until their own timeout
-has surely fired. The simulator supplies its own factory.
+(:func:`backend_for`; a quorum's NCCL group is made on its first CUDA tensor). A collective is
+awaited with a deadline; a group whose collective failed or passed it is *abandoned*: never waited
+on again. An abandoned Gloo group is dropped at once, on a thread of its own (kept, one whose peer
+was SIGKILLed spun a ``gloo_tcp_loop`` thread at a full core; its destructor waits out a frozen
+peer's collective). NCCL groups, whose teardown with work in flight was not measured, stay in a
+bounded graveyard until their own timeout has fired. The simulator supplies its own factory.
 """
 
 from __future__ import annotations
@@ -195,17 +193,19 @@ class _TorchPending:
 def drop_on_thread(obj: Any, name: str, wait_s: float = 10.0) -> None:
     """Take over the reference to ``obj`` (a process group) and drop it on a thread of its own once
     that thread holds the last one (callers let go of theirs as they return; up to ``wait_s``), so
-    whatever its destructor waits for (a collective in flight) blocks no one else."""
+    whatever its destructor waits for (a collective in flight) blocks no one else. Not a daemon:
+    a script ending meanwhile died of SIGABRT after a normal end (the destructor half way here);
+    once the main thread has ended, the drop is at once and the exit waits for it."""
     box = [obj]
     del obj
 
     def reap() -> None:
-        deadline = time.monotonic() + wait_s
-        while sys.getrefcount(box[0]) > 2 and time.monotonic() < deadline:  # box's and the call's
+        deadline, main = time.monotonic() + wait_s, threading.main_thread()
+        while sys.getrefcount(box[0]) > 2 and time.monotonic() < deadline and main.is_alive():  # box's and the call's
             time.sleep(0.02)
         box.clear()
 
-    threading.Thread(target=reap, name=name, daemon=True).start()
+    threading.Thread(target=reap, name=name, daemon=False).start()
 
 
 class _Graveyard:
