@@ -48,4 +48,5 @@ def test_a_raise_after_a_commit_ends_that_worker_and_its_peer_finishes(tmp_path:
     assert exits == {"w0": 0, "w1": 1}
     steps = [c.step for c in res.commits]
     assert steps[-1] == 11 and 4 in steps  # step 4 committed (both voted), then w0 alone to the end
+    assert not res.ok and "; w1 exited without finishing" in res.reason
     assert "user code failed after the commit" in (tmp_path / "run" / "workers" / "w1.log").read_text()

@@ -76,8 +76,7 @@ def fixed_topology(ctx: LabContext) -> Outcome:
     held = e["steps_committed"] == steps and f["steps_committed"] < steps
     para = (f"w2 was SIGKILLed and not restarted. With phalanx's elastic quorum the remaining {workers - 1} workers "
             f"re-formed and committed {e['steps_committed']} of {steps} steps"
-            + ("" if e["ok"] else f" (the run's own verdict was not ok: {e['reason']}: it counts w2, killed for "
-               "good by the plan, as a worker that did not finish)")
+            + ("" if e["ok"] else f" (the run's own verdict was not ok: {e['reason']})")
             + f". With a fixed world (every step needs "
             f"all {workers} workers, like a static torchrun world) the job committed {f['steps_committed']} and then "
             f"stood still until the lab's deadline stopped it: {f['reason']}.")

@@ -348,18 +348,23 @@ async def _supervise(cfg: LaunchConfig, sup: Supervisor, holder: CoordinatorHold
             if code == 0:
                 continue
             planned = injector.kill_restart.pop(w.index, None) if injector is not None else None
+            w.departed = planned is False
             if planned is not False and sup.may_restart(w, planned is True):  # False: the plan keeps it down
                 sup.restart(w)
                 on_event({"t": now - t0, "mono": now, "node": "launcher", "event": "worker_restarted",
                           "worker": w.worker_id, "restarts": w.restarts})
         late = ", ".join(w.worker_id for w in sup.not_joined())  # not started yet: neither exited nor finished
         if sup.all_finished():
+            gone = ", ".join(w.worker_id for w in sup.workers if w.departed and not w.finished)
             return True, "all workers finished" + (f" ({late} never joined: the job finished before its trigger)"
-                                                   if late else "")
+                                                   if late else "") + (f" ({gone} killed for good by the plan)"
+                                                                       if gone else "")
         if not sup.any_running():
             codes = {w.worker_id: w.exit_codes[-1] for w in sup.workers if w.exit_codes}
+            failed = ", ".join(w.worker_id for w in sup.workers if w.exit_codes and not w.finished and not w.departed)
             pending = f"; {late} had not joined yet" if late else ""
-            return False, (f"every started worker has exited without finishing (exit codes {codes}{pending}); "
+            why = f"{failed} exited without finishing" if failed else "the fault plan killed each for good"
+            return False, (f"every started worker has exited; {why} (exit codes {codes}{pending}); "
                            f"see {cfg.run_dir}/workers/*.log")
         if coord is not None and coord.stall_reason:
             stalled_since = stalled_since or now

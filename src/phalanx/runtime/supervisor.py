@@ -23,6 +23,7 @@ class WorkerProcess:
     restarts: int = 0
     exit_codes: list[int] = field(default_factory=list)
     finished: bool = False  # exited 0
+    departed: bool = False  # the fault plan killed it for good (`restart = false`): gone, not failed
     frozen: bool = False
     reported: bool = False  # its current process's exit was already handled
     waiting_to_join: bool = False  # a `join` fault starts it later: not started, so neither exited nor finished
@@ -126,8 +127,10 @@ class Supervisor:
                     w.proc.wait()
 
     def all_finished(self) -> bool:
-        """Every started worker exited 0 (one still waiting to join has not finished: see not_joined)."""
-        return all(w.finished for w in self.workers if not w.waiting_to_join)
+        """Every started worker exited 0 or was killed for good by the plan, and at least one
+        finished (one still waiting to join has not finished: see not_joined)."""
+        started = [w for w in self.workers if not w.waiting_to_join]
+        return any(w.finished for w in started) and all(w.finished or w.departed for w in started)
 
     def any_running(self) -> bool:
         return any(w.alive for w in self.workers)
