@@ -57,20 +57,28 @@ _PROBE = ("import os, socket, sys, threading, time\n"
           "pace = float(sys.argv[2])\n"
           "def train():\n"
           "    while True:\n"
-          "        t0 = time.monotonic()\n"
+          "        # paced, as the workers are, and in step: every probe starts a step on the same grid of\n"
+          "        # the machine-wide monotonic clock, as a job's workers start one on the same commit\n"
+          "        time.sleep(pace - time.monotonic() % pace)\n"
           "        x, y = data.batch(np.arange(8)); loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()\n"
-          "        time.sleep(max(0.0, pace - (time.monotonic() - t0)))  # paced, as the workers are\n"
           "threading.Thread(target=train, daemon=True).start()\n"
           "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n"
           "s.sendall(b'%10d' % os.getpid())\n"
           "time.sleep(60)\n")
 
 
-def probe_process_exit_s(min_step_s: float, workers: int = 4, rounds: int = 3) -> float:
+KILL_INTO_STEP_S = 0.002  # where a planned kill lands in a step: its at_step trigger polls every 5 ms after a commit
+
+
+def probe_process_exit_s(min_step_s: float, workers: int = 4, rounds: int = 5) -> float:
     """How long after SIGKILL a peer sees the socket of a worker-like process close: the OS part of
-    kill detection, which no fault-free run shows. ``workers`` processes train the bundled model at
-    once, each step paced to ``min_step_s`` (a job's load on this machine, not an idle one); each round SIGKILLs them one by one while
-    the rest keep training. Median over every kill."""
+    kill detection, which no fault-free run shows. Each round starts ``workers`` processes that
+    train the bundled model, each step paced to ``min_step_s`` and all in step (a job's load on this
+    machine, not an idle one), and SIGKILLs one of them ``KILL_INTO_STEP_S`` into a step, as a plan's
+    ``at_step`` kill lands: just after a commit, when the victim and every survivor start computing
+    at once, so the teardown competes with the survivors' compute for the cores (session 17: 34 ms
+    on a quiet 2-core box, against 22 ms for a kill at a random point of the step). One kill a round,
+    so every kill has ``workers - 1`` survivors, as in the fault run. Median over the rounds."""
     import os
     import signal
     import socket
@@ -79,7 +87,7 @@ def probe_process_exit_s(min_step_s: float, workers: int = 4, rounds: int = 3) -
     import time
 
     times = []
-    for _ in range(rounds):
+    for r in range(rounds):
         with socket.socket() as srv:
             srv.bind(("127.0.0.1", 0))
             srv.listen(workers)
@@ -89,15 +97,13 @@ def probe_process_exit_s(min_step_s: float, workers: int = 4, rounds: int = 3) -
             try:
                 # accept order is not start order: each probe sends its pid first
                 by_pid = {int(_recv_exactly(c, 10)): c for c in conns}
-                time.sleep(0.3)  # let them train for a moment, as workers would be
-                for proc in procs[:-1]:  # the last one only keeps the load up
-                    conn = by_pid[proc.pid]
-                    t0 = time.monotonic()
-                    os.kill(proc.pid, signal.SIGKILL)
-                    conn.recv(1)  # b"" at EOF / reset
-                    times.append(time.monotonic() - t0)
-                    proc.wait()
-                    time.sleep(0.1)
+                time.sleep(0.5)  # let them train for a moment, as workers would be
+                victim = procs[r % workers]
+                time.sleep(min_step_s - time.monotonic() % min_step_s + KILL_INTO_STEP_S)
+                t0 = time.monotonic()
+                os.kill(victim.pid, signal.SIGKILL)
+                by_pid[victim.pid].recv(1)  # b"" at EOF / reset
+                times.append(time.monotonic() - t0)
             finally:
                 for proc in procs:
                     proc.kill()
@@ -149,6 +155,29 @@ def rejoin_delays_s(events: list[dict[str, Any]]) -> list[float]:
                            and j["t"] > e["t"]), None)
             if joined is not None:
                 out.append(joined["t"] - e["t"])
+    return out
+
+
+def kill_detection_parts_s(events: list[dict[str, Any]]) -> list[dict[str, float | None]]:
+    """Each kill's detection split where the coordinator's events allow: from the fault's record
+    (the SIGKILL follows at once) to the coordinator reading the killed worker's connection closed
+    (``connection_lost``: the OS's teardown of the process, and the coordinator's loop getting to
+    the socket), and from there to its ``worker_suspected`` (the protocol's part, which the simulator
+    runs as is). The simulator charges the first as the probe's ``process_exit_s`` plus one control hop."""
+    out: list[dict[str, float | None]] = []
+    for i, e in enumerate(events):
+        if e.get("event") != "fault_injected" or e.get("kind") != "kill":
+            continue
+        lost = suspected = None
+        for f in events[i + 1:]:
+            if f.get("worker") != e.get("worker"):
+                continue
+            if f.get("event") == "connection_lost" and lost is None:
+                lost = f["t"] - e["t"]
+            elif f.get("event") == "worker_suspected":
+                suspected = f["t"] - e["t"]
+                break
+        out.append({"at_step": e.get("at_step"), "to_connection_lost_s": lost, "to_suspected_s": suspected})
     return out
 
 
@@ -365,11 +394,17 @@ def main() -> int:
     console.print("fault run, Gloo threads' CPU per worker process (s; busiest thread's peak share of a core): "
                   + ", ".join(f"{g['worker']}/{g['pid']} {g['gloo_cpu_s']:.2f} ({g['busiest_gloo_thread_peak_core']:.0%})"
                               for g in gloo))
+    parts = kill_detection_parts_s(list(real.events))
+    console.print("real kills, ms from the kill to the coordinator reading the connection closed / to suspecting "
+                  f"the worker (probe's teardown: {1e3 * calibration['process_exit_s']:.1f}): " + ", ".join(
+                      f"{1e3 * p['to_connection_lost_s']:.1f} / {1e3 * p['to_suspected_s']:.1f}" for p in parts
+                      if p["to_connection_lost_s"] is not None and p["to_suspected_s"] is not None))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"calibration": {"compute_s": compute_s, "allreduce_s": allreduce_s, **calibration},
                                "rows": table, "step_budget": budget, "group_build_gaps_s": builds,
                                "decision_spread_s": spread, "gloo_threads": gloo,
+                               "kill_detection_parts_s": parts,
                                "faults": {side: [{k: f.get(k) for k in ("kind", "worker", "at_step", "detected_after_s",
                                                                         "recovered_after_s")} for f in faults]
                                           for side, faults in (("real", real.faults), ("simulated", sim["faults"]))}},

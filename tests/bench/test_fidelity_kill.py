@@ -1,0 +1,23 @@
+"""The fidelity benchmark's split of a real kill's detection: kill -> the coordinator reading the
+connection closed (the OS's teardown) -> its suspicion (the protocol)."""
+
+from phalanx.bench.fidelity import kill_detection_parts_s
+
+
+def _ev(t, event, **kw):
+    return {"t": t, "event": event, **kw}
+
+
+def test_each_kill_is_split_at_its_own_workers_connection_lost_and_suspicion():
+    events = [_ev(1.0, "fault_injected", kind="kill", worker="w1", at_step=30),
+              _ev(1.02, "connection_lost", worker="w2"),  # another worker's: not this kill's
+              _ev(1.05, "connection_lost", worker="w1"),
+              _ev(1.0502, "worker_suspected", worker="w1"),
+              _ev(2.0, "fault_injected", kind="freeze", worker="w2", at_step=70),  # not a kill
+              _ev(2.6, "worker_suspected", worker="w2"),
+              _ev(3.0, "fault_injected", kind="kill", worker="w3", at_step=110),
+              _ev(3.04, "worker_suspected", worker="w3")]  # suspected before its connection was read
+    parts = kill_detection_parts_s(events)
+    assert [p["at_step"] for p in parts] == [30, 110]
+    assert abs(parts[0]["to_connection_lost_s"] - 0.05) < 1e-9 and abs(parts[0]["to_suspected_s"] - 0.0502) < 1e-9
+    assert parts[1]["to_connection_lost_s"] is None and abs(parts[1]["to_suspected_s"] - 0.04) < 1e-9
