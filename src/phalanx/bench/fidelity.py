@@ -55,12 +55,21 @@ _PROBE = ("import os, socket, sys, threading, time\n"
           "model, opt = build_model(cfg), None\n"
           "opt = build_optimizer(model, cfg)\n"
           "pace = float(sys.argv[2])\n"
+          "import datetime, torch.distributed as dist\n"
+          "rank, world = int(sys.argv[4]), int(sys.argv[5])\n"
+          "store = dist.TCPStore('127.0.0.1', int(sys.argv[3]), world, False)\n"
+          "pg = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=60))  # a worker's Gloo threads\n"
           "def train():\n"
           "    while True:\n"
           "        # paced, as the workers are, and in step: every probe starts a step on the same grid of\n"
           "        # the machine-wide monotonic clock, as a job's workers start one on the same commit\n"
           "        time.sleep(pace - time.monotonic() % pace)\n"
-          "        x, y = data.batch(np.arange(8)); loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()\n"
+          "        x, y = data.batch(np.arange(8)); loss_fn(model(x), y).backward()\n"
+          "        try:  # the gradient's all-reduce, as a worker's step has\n"
+          "            pg.allreduce([torch.cat([p.grad.reshape(-1) for p in model.parameters()])]).wait()\n"
+          "        except Exception:\n"
+          "            time.sleep(60)  # a peer was killed: this round is over\n"
+          "        opt.step(); opt.zero_grad()\n"
           "threading.Thread(target=train, daemon=True).start()\n"
           "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n"
           "s.sendall(b'%10d' % os.getpid())\n"
@@ -77,7 +86,9 @@ def probe_process_exit_s(min_step_s: float, workers: int = 4, rounds: int = 5) -
     machine, not an idle one), and SIGKILLs one of them ``KILL_INTO_STEP_S`` into a step, as a plan's
     ``at_step`` kill lands: just after a commit, when the victim and every survivor start computing
     at once, so the teardown competes with the survivors' compute for the cores (session 17: 34 ms
-    on a quiet 2-core box, against 22 ms for a kill at a random point of the step). One kill a round,
+    on a quiet 2-core box, against 22 ms for a kill at a random point of the step). The processes
+    all-reduce their gradients in a Gloo group, as workers do (a Gloo group's threads and sockets
+    are part of what the OS tears down: +5 ms in session 17's experiment). One kill a round,
     so every kill has ``workers - 1`` survivors, as in the fault run. Median over the rounds."""
     import os
     import signal
@@ -86,13 +97,16 @@ def probe_process_exit_s(min_step_s: float, workers: int = 4, rounds: int = 5) -
     import sys
     import time
 
+    from torch.distributed import TCPStore
+
     times = []
     for r in range(rounds):
         with socket.socket() as srv:
             srv.bind(("127.0.0.1", 0))
             srv.listen(workers)
-            procs = [subprocess.Popen([sys.executable, "-c", _PROBE, str(srv.getsockname()[1]), str(min_step_s)])
-                     for _ in range(workers)]
+            store = TCPStore("127.0.0.1", 0, workers + 1, True, wait_for_workers=False)
+            procs = [subprocess.Popen([sys.executable, "-c", _PROBE, str(srv.getsockname()[1]), str(min_step_s),
+                                       str(store.port), str(rank), str(workers)]) for rank in range(workers)]
             conns = [srv.accept()[0] for _ in procs]
             try:
                 # accept order is not start order: each probe sends its pid first
