@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from phalanx.train import host_memory, sharding
 from phalanx.train.faults_in_process import InProcessFaults
 from phalanx.train.grad_buckets import DEFAULT_BUCKET_BYTES, GradientBuckets, copy_back, coverage_tail, start_gradients
 from phalanx.train.step_buffer import TailLayout, expected_coverage
-from phalanx.train.step_engine import BodyResult, LoopExited, StepEngine, Ticket
+from phalanx.train.step_engine import BodyResult, LoopExited, StepEngine, Ticket, Vote
 from phalanx.train.torch_state import SpanLog, TorchState
 from phalanx.train.worker_agent import WorkerAgent
 
@@ -51,7 +51,6 @@ class Step:
         self.committed = False
         self.failed = ""
         self._reduced = False
-        self._told = False  # the engine already has this step's result (a commit that handed the next)
 
     number = property(lambda self: self._a.step, doc="the step number (same on every retry)")
     quorum_id = property(lambda self: self._a.quorum_id, doc="the epoch this attempt runs in")
@@ -125,11 +124,11 @@ class _ThreadBody:
     def ended(self, _fut: Any = None) -> None:
         self._tickets.put(self._END)
 
-    async def vote(self, engine: StepEngine, args: tuple[Any, ...], samples: int) -> Any:
+    async def vote(self, voting: Coroutine[Any, Any, Vote], samples: int) -> Vote:
         """The vote, on the loop. A commit that hands the next ticket is this body's result as well
         (nothing after it can un-commit the step: a failing user loop ends the job either way), so
         the engine gets it here, without another hop from the user's thread."""
-        vote = await engine.vote(*args)
+        vote = await voting
         if vote.commit and vote.next is not None:
             self._put(BodyResult(True, samples, vote.loss, ""))
         return vote
@@ -232,7 +231,7 @@ class Job:
                     self._allreduce(st, self.model if self._buckets is not None else None, None)
                 if not st.committed:
                     self._rollback(rng)
-                if not st._told:
+                if self._next is None:  # else the vote that handed it gave the engine this result
                     samples = st._shard[1] if st._shard else 0
                     self._body.body_done(BodyResult(st.committed, samples, st.loss, st.failed))
                 ticket, self._next = (self._next, None) if self._next is not None else (self._body.next_ticket(), None)
@@ -292,7 +291,7 @@ class Job:
         t0 = time.monotonic()
         if carrier is None:
             ex.launch(tail, 0.0)  # from this thread too: the tail need not wait for the hand-over
-        vote = self._call(self._body.vote(self.engine, (st._a, ex, None, verify, compute_s), count))
+        vote = self._call(self._body.vote(self.engine.vote(st._a, ex, None, verify, compute_s), count))
         if error:  # the coverage was withheld, so the step aborted everywhere; now say why
             if buckets is not None:
                 buckets.renew()
@@ -305,8 +304,7 @@ class Job:
                 p.grad = None
             self._spans.span("allreduce", t0, step=st.number, quorum_id=st.quorum_id, commit=False, reason=st.failed)
             return False
-        self._next = vote.next  # the next step, granted and ready: no wait for the engine
-        st._told = vote.next is not None  # and the engine has this step's result already
+        self._next = vote.next  # the next step, granted and ready (the engine has this step's result)
         if flat is not None:
             copy_back(params, flat)
         st.committed, st.loss = True, vote.loss
