@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,26 +25,51 @@ from phalanx.transport.real_host import RealHost
 from phalanx.transport.tcp import TcpTransport, TlsFiles
 
 
-def mark_compute_thread(env: Mapping[str, str]) -> bool:
-    """With ``PHALANX_BATCH_SCHEDULING=1``, mark the calling thread, the user's training loop,
-    ``SCHED_BATCH``: CPU-bound work that does not preempt the threads it wakes. Where busy threads
-    outnumber cores, a training thread woken by its step's verdict can take the core of the
-    coordinator, still sending that verdict to the other workers, or of its own control thread.
-    Measured on 2 cores (docs/BENCHMARKS.md, session 13): 4 workers of the bundled model 3-10 %
-    faster in three pairs, the 6 M-parameter MLP no better or worse, so it is off by default. Its
-    CPU share is unchanged. Threads it starts later inherit the policy; the control thread, started
-    before, keeps the default. An OS without SCHED_BATCH leaves the thread alone. Returns whether
-    the policy was set."""
-    setting = env.get("PHALANX_BATCH_SCHEDULING", "0")
-    if setting not in ("0", "1"):
-        raise ConfigError(f"PHALANX_BATCH_SCHEDULING={setting!r}: use 0 (the default) or 1")
-    if setting == "0" or not hasattr(os, "SCHED_BATCH"):
-        return False
+COMPUTE_NICE_DEFAULT = 10
+
+
+def mark_compute_thread(env: Mapping[str, str]) -> str:
+    """Put the calling thread, the user's training loop, below phalanx's control plane in the
+    OS scheduler, and say what was done (for the worker's span log).
+
+    ``PHALANX_COMPUTE_NICE`` (default 10, 0 = leave it alone): the thread's nice value goes up by
+    that much. Where busy threads outnumber cores, a training thread woken by its step's verdict
+    took the core of the coordinator, still sending that verdict to the other workers, or of a
+    control thread about to report, and the whole step waited for the last worker to hear
+    (docs/BENCHMARKS.md, session 18: the bundled model 3-4 % faster at 2 and 4 workers on 2
+    cores). The control thread, started before, keeps its priority; processes and threads the
+    training thread starts later inherit the new value. Raising a nice value needs no privilege,
+    and lowering it again does, so it holds for the rest of the process. Linux only: there the
+    call names one thread (elsewhere it would renice the whole process, control thread too).
+
+    ``PHALANX_BATCH_SCHEDULING=1`` (opt-in) also marks it ``SCHED_BATCH`` (session 13: mixed)."""
+    nice_s = env.get("PHALANX_COMPUTE_NICE", str(COMPUTE_NICE_DEFAULT))
     try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: the calling thread
-    except OSError:
-        return False
-    return True
+        nice = int(nice_s)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise ConfigError(f"PHALANX_COMPUTE_NICE={nice_s!r}: use a whole number from 0 (leave the training "
+                          f"thread's priority alone) to 19; the default is {COMPUTE_NICE_DEFAULT}")
+    batch = env.get("PHALANX_BATCH_SCHEDULING", "0")
+    if batch not in ("0", "1"):
+        raise ConfigError(f"PHALANX_BATCH_SCHEDULING={batch!r}: use 0 (the default) or 1")
+    done = []
+    if nice and sys.platform.startswith("linux"):
+        tid = threading.get_native_id()
+        try:
+            before = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(before + nice, 19))
+            done.append(f"nice {before} -> {os.getpriority(os.PRIO_PROCESS, tid)}")
+        except OSError as e:
+            done.append(f"nice unchanged ({e.strerror})")
+    if batch == "1" and hasattr(os, "SCHED_BATCH"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: the calling thread
+            done.append("SCHED_BATCH")
+        except OSError as e:
+            done.append(f"SCHED_BATCH refused ({e.strerror})")
+    return ", ".join(done) or "unchanged"
 
 
 def join(**overrides: Any) -> Job:
@@ -62,7 +88,7 @@ def join(**overrides: Any) -> Job:
     loop = event_loop.new_event_loop()  # uvloop's when installed: the step's control hops are loop work
     thread = threading.Thread(target=loop.run_forever, name="phalanx-control", daemon=True)
     thread.start()
-    mark_compute_thread(env)  # opt-in; after the control thread started: it keeps the default policy
+    compute = mark_compute_thread(env)  # after the control thread started: it keeps its priority
     transport = TcpTransport(token, name=worker_id, tls=TlsFiles.from_env(env))  # TLS if PHALANX_TLS_* are set
     host = RealHost(worker_id, transport)
     # network faults act at the seams: host.transport becomes a FaultyTransport, groups are wrapped
@@ -73,6 +99,7 @@ def join(**overrides: Any) -> Job:
         TorchProcessGroupFactory(addr, token, backend=backend, run_id=run_id)))
     job = Job(agent, loop, run_dir, data_seed, worker_id)
     net.log = job._spans.event
+    job._spans.event("compute_thread", detail=compute)
     agent._on_fault = net.route(job.faults.on_fault)  # called on the control thread
     job.faults.install()
     asyncio.run_coroutine_threadsafe(agent.start(), loop).result(
