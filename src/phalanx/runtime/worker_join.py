@@ -36,7 +36,7 @@ def mark_compute_thread(env: Mapping[str, str]) -> str:
     that much. Where busy threads outnumber cores, a training thread woken by its step's verdict
     took the core of the coordinator, still sending that verdict to the other workers, or of a
     control thread about to report, and the whole step waited for the last worker to hear
-    (docs/BENCHMARKS.md, session 18: the bundled model 3-4 % faster at 2 and 4 workers on 2
+    (docs/BENCHMARKS.md, session 18: the bundled model 6 % and 3 % faster at 2 and 4 workers on 2
     cores). The control thread, started before, keeps its priority; processes and threads the
     training thread starts later inherit the new value. Raising a nice value needs no privilege,
     and lowering it again does, so it holds for the rest of the process. Linux only: there the
