@@ -1,6 +1,7 @@
 """An abandoned Gloo group is destroyed at once, off the caller's threads: kept (the old graveyard
 held it 120 s), a group whose peer was SIGKILLed with a collective in flight could spin a
-``gloo_tcp_loop`` thread at a full core in a survivor until it was destroyed."""
+``gloo_tcp_loop`` thread at a full core in a survivor until it was destroyed. Its threads go to nice
+19 at abandon (collectives/group_teardown.py): its destructor may wait seconds meanwhile."""
 
 from __future__ import annotations
 
@@ -49,14 +50,28 @@ async def main():
         failed = ""
     except CollectiveError as e:
         failed = str(e)
+    known = {}
+    for tid in group._threads:
+        try:
+            known[tid] = open(f"/proc/self/task/{tid}/comm").read().strip()
+        except OSError:
+            pass
     group.abandon()
+    nice_after = []  # read at once: the destructor may end the threads any moment
+    for tid in known:
+        try:
+            nice_after.append(os.getpriority(os.PRIO_PROCESS, tid))
+        except OSError:
+            pass
     await asyncio.sleep(1.0)
     before = gloo_threads()
     await asyncio.sleep(2.0)
     after = gloo_threads()
     cpu_s = sum(after[k] - before[k] for k in after if k in before) / os.sysconf("SC_CLK_TCK")
     print("RESULT " + json.dumps({"failed": failed, "workers_with_group": workers_with_group,
-                                  "workers_after": len(gloo_threads(("pt_gloo",))), "gloo_cpu_s": cpu_s}), flush=True)
+                                  "workers_after": len(gloo_threads(("pt_gloo",))), "gloo_cpu_s": cpu_s,
+                                  "known": sorted(known.values()), "nice_after": nice_after,
+                                  "own_nice": os.getpriority(os.PRIO_PROCESS, 0)}), flush=True)
 
 asyncio.run(main())
 os._exit(0)
@@ -85,3 +100,7 @@ def test_a_group_abandoned_after_a_peer_was_killed_leaves_no_gloo_threads_behind
         assert r["workers_with_group"] >= 1
         assert r["workers_after"] == 0, r  # the group is destroyed (its worker threads gone), not held 120 s
         assert r["gloo_cpu_s"] < 0.5, r  # and none spins
+        # its threads were known from its constructor, and went below everything at abandon
+        assert "gloo_tcp_loop" in r["known"] and "pt_gloo_runloop" in r["known"], (r["known"], r["nice_after"])
+        assert all(n == 19 for n in r["nice_after"]), r
+        assert r["own_nice"] == 0, r  # the caller's own thread is left alone

@@ -6,7 +6,7 @@ What the user's code does afterwards must still reach the engine: a raise ends t
 job (Goodbye, not completed) and its peer goes on alone and finishes; nothing hangs. The peer's
 process exits 0: it ended while its abandoned group (the one w1 left) was still held by the thread
 that drops it, and it used to die of SIGABRT there ("terminate called without an active exception",
-collectives/process_group.py ``drop_on_thread``)."""
+collectives/group_teardown.py ``drop_on_thread``)."""
 
 from __future__ import annotations
 

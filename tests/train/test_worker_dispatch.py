@@ -41,3 +41,28 @@ def test_grants_reuse_the_epochs_member_list_and_an_unknown_empty_one_drops_the_
         assert "quorum 4 named no members" in conn.closed_because and agent._early[0].step == 1
 
     run_virtual(main())
+
+
+class _Group:
+    def __init__(self, quorum_id):
+        self.quorum_id, self.abandoned = quorum_id, 0
+
+    def abandon(self):
+        self.abandoned += 1
+
+
+def test_a_broken_quorums_group_is_given_up_when_the_coordinator_says_so_and_no_other():
+    """Not when the body next touches it: a group whose peer died can spin a thread meanwhile."""
+    from phalanx.core.messages import QuorumBroken
+
+    async def main():
+        agent = WorkerAgent(_Host(), WorkerConfig("w1", "c:1"), pg_factory=None)
+        agent._conn = _Conn()
+        agent._pg = group = _Group(3)
+        agent._dispatch(QuorumBroken(quorum_id=2, reason="an older epoch"))
+        assert agent._pg is group and group.abandoned == 0
+        agent._dispatch(QuorumBroken(quorum_id=3, reason="w0 lost"))
+        assert agent._pg is None and group.abandoned == 1
+        assert agent._broken_event(3).is_set()
+
+    run_virtual(main())

@@ -15,12 +15,10 @@ import asyncio
 import datetime
 import hashlib
 import hmac
-import sys
 import threading
-import time
-from collections import deque
 from typing import Any, Protocol
 
+from phalanx.collectives.group_teardown import Graveyard, drop_on_thread, lower_priority, native_threads, threads_since
 from phalanx.core.errors import CollectiveError, ConfigError
 
 BACKEND_SETTINGS = ("auto", "gloo")  # PHALANX_BACKEND
@@ -94,9 +92,10 @@ class LocalProcessGroup:
 
 
 class TorchProcessGroup:
-    def __init__(self, pg: Any, quorum_id: int, rank: int, world_size: int, graveyard: "_Graveyard",
-                 make_cuda: Any = None) -> None:
+    def __init__(self, pg: Any, quorum_id: int, rank: int, world_size: int, graveyard: Graveyard,
+                 make_cuda: Any = None, threads: set[int] | None = None) -> None:
         self._pg = pg  # Gloo, made when the quorum formed
+        self._threads = threads or set()  # the native threads its constructor started (group_teardown.py)
         self.quorum_id, self.rank, self.world_size = quorum_id, rank, world_size
         self._graveyard = graveyard
         self._abandoned = False
@@ -139,6 +138,7 @@ class TorchProcessGroup:
         if not self._abandoned:
             self._abandoned = True
             pg, self._pg = self._pg, None
+            lower_priority(self._threads)  # a spinning I/O loop must not take the training thread's core
             drop_on_thread(pg, f"phalanx-pg-drop-q{self.quorum_id}")
             del pg
             with self._lock:
@@ -188,47 +188,6 @@ class _TorchPending:
         except asyncio.CancelledError:
             group.abandon()  # the step was aborted (quorum broken): never touch this group again
             raise
-
-
-def drop_on_thread(obj: Any, name: str, wait_s: float = 10.0) -> None:
-    """Take over the reference to ``obj`` (a process group) and drop it on a thread of its own once
-    that thread holds the last one (callers let go of theirs as they return; up to ``wait_s``), so
-    whatever its destructor waits for (a collective in flight) blocks no one else. Not a daemon:
-    a script ending meanwhile died of SIGABRT after a normal end (the destructor half way here);
-    once the main thread has ended, the drop is at once and the exit waits for it."""
-    box = [obj]
-    del obj
-
-    def reap() -> None:
-        deadline, main = time.monotonic() + wait_s, threading.main_thread()
-        while sys.getrefcount(box[0]) > 2 and time.monotonic() < deadline and main.is_alive():  # box's and the call's
-            time.sleep(0.02)
-        box.clear()
-
-    threading.Thread(target=reap, name=name, daemon=False).start()
-
-
-class _Graveyard:
-    """Holds abandoned NCCL groups until their timeout has passed, then drops them off-thread."""
-
-    def __init__(self, hold_s: float, max_groups: int = 64) -> None:
-        self._hold_s = hold_s
-        self._graves: deque[tuple[float, Any]] = deque(maxlen=max_groups)
-        self._lock = threading.Lock()
-
-    def bury(self, pg: Any) -> None:
-        with self._lock:
-            self._graves.append((time.monotonic() + self._hold_s, pg))
-        self.sweep()
-
-    def sweep(self) -> None:
-        now = time.monotonic()
-        expired = []
-        with self._lock:
-            while self._graves and self._graves[0][0] <= now:
-                expired.append(self._graves.popleft()[1])
-        if expired:
-            threading.Thread(target=expired.clear, name="phalanx-pg-reaper", daemon=True).start()
 
 
 def signed_store(inner: Any, token: bytes, run_id: str) -> Any:
@@ -309,7 +268,7 @@ class TorchProcessGroupFactory:
         # values signed and bound to this job and (through the key) the quorum; kept referenced
         # here: torch holds only the C++ half, and a collected Python store loses its methods
         self._signed = signed_store(self._store, token, run_id)
-        self._graveyard = _Graveyard(hold_s=2 * 60.0)
+        self._graveyard = Graveyard(hold_s=2 * 60.0)
 
     async def create(self, quorum_id: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroup:
         if world_size == 1:
@@ -320,16 +279,20 @@ class TorchProcessGroupFactory:
         result: asyncio.Future[Any] = loop.create_future()
 
         def build() -> None:  # the constructor blocks until every rank has connected
+            before = native_threads()
             try:
                 pg = self._dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
             except Exception as e:
                 loop.call_soon_threadsafe(_settle, result, None, e)
                 return
-            loop.call_soon_threadsafe(_settle, result, pg, None)
+            built = (pg, threads_since(before))
+            del pg
+            loop.call_soon_threadsafe(_settle, result, built, None)
+            del built
 
         threading.Thread(target=build, name=f"phalanx-pg-q{quorum_id}", daemon=True).start()
         try:
-            pg = await asyncio.wait_for(asyncio.shield(result), timeout_s)
+            pg, threads = await asyncio.wait_for(asyncio.shield(result), timeout_s)
         except asyncio.TimeoutError as e:
             raise CollectiveError(f"process group for quorum {quorum_id} did not form within {timeout_s:.1f} s") from e
         except RuntimeError as e:
@@ -346,7 +309,8 @@ class TorchProcessGroupFactory:
             nccl_prefix = self._dist.PrefixStore(f"{self._namespace}/q{quorum_id}/nccl", self._signed)
             return self._dist.ProcessGroupNCCL(nccl_prefix, rank, world_size, self._nccl_options(timeout)), "nccl"
 
-        return TorchProcessGroup(pg, quorum_id, rank, world_size, self._graveyard, make_cuda if self._nccl_ok else None)
+        return TorchProcessGroup(pg, quorum_id, rank, world_size, self._graveyard, make_cuda if self._nccl_ok else None,
+                                 threads)
 
     def _nccl_options(self, timeout: datetime.timedelta) -> Any:
         opts = self._dist.ProcessGroupNCCL.Options()
@@ -370,8 +334,11 @@ def _settle(fut: asyncio.Future[Any], value: Any, error: BaseException | None) -
             # An abandoned build finished late: nobody will use it. Destroying a process group can
             # block (Gloo closes its connections), so the last reference is dropped on a thread of
             # its own, not on the event loop that heartbeats.
-            drop_on_thread(value, "phalanx-drop-pg")
+            pg, threads = value
             del value
+            lower_priority(threads)
+            drop_on_thread(pg, "phalanx-drop-pg")
+            del pg
         return
     if error is not None:
         fut.set_exception(RuntimeError(str(error)))

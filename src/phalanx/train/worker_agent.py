@@ -38,13 +38,11 @@ class WorkerAgent(Healing):
         self.host, self.cfg = host, cfg
         self._make_pg_factory = pg_factory
         self._pg_factory: ProcessGroupFactory | None = None
-        self.state_provider = state_provider
-        self._on_fault = on_fault
+        self.state_provider, self._on_fault = state_provider, on_fault
         self.incarnation = f"{host.rng.getrandbits(48):012x}"
         self.welcome: Welcome | None = None
         self.max_quorum_id_seen = 0
-        self.last_committed_step = -1
-        self.has_state = False
+        self.last_committed_step, self.has_state = -1, False
         self.shutdown_reason = ""
         self._conn: Connection | None = None
         self._assignment: asyncio.Future[Assignment] | None = None
@@ -67,8 +65,7 @@ class WorkerAgent(Healing):
 
     # ---- connection ----
     async def start(self) -> None:
-        listener = await self.host.transport.listen(self.cfg.heal_bind, self._serve_heal)
-        self._listener = listener
+        self._listener = listener = await self.host.transport.listen(self.cfg.heal_bind, self._serve_heal)
         self.heal_address = listener.address
         await self.reconnect()  # with backoff: the coordinator may be restarting as this worker starts
         self.host.spawn(self._heartbeats(), "heartbeat")
@@ -198,6 +195,9 @@ class WorkerAgent(Healing):
                 self._early = (a, self._conn)  # granted on a piggybacked request: kept for its step
         elif isinstance(m, QuorumBrokenMsg):
             self._broken_event(m.quorum_id).set()
+            if self._pg is not None and self._pg.quorum_id == m.quorum_id:
+                self._pg.abandon()  # never used again: let go now (a dead peer's group stops taking cores)
+                self._pg = None
             self._interrupt(m.quorum_id, QuorumBroken(f"quorum {m.quorum_id} was broken by the coordinator"))
         elif isinstance(m, StepDecision):
             fut = self._decisions.get((m.step, m.quorum_id))
