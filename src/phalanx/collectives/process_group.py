@@ -285,10 +285,7 @@ class TorchProcessGroupFactory:
             except Exception as e:
                 loop.call_soon_threadsafe(_settle, result, None, e)
                 return
-            built = (pg, threads_since(before))
-            del pg
-            loop.call_soon_threadsafe(_settle, result, built, None)
-            del built
+            loop.call_soon_threadsafe(_settle, result, (pg, threads_since(before)), None)
 
         threading.Thread(target=build, name=f"phalanx-pg-q{quorum_id}", daemon=True).start()
         try:
