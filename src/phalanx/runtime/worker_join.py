@@ -6,6 +6,7 @@ protocol never imports a concrete transport."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import random
 import sys
@@ -72,6 +73,37 @@ def mark_compute_thread(env: Mapping[str, str]) -> str:
     return ", ".join(done) or "unchanged"
 
 
+def control_batch(env: Mapping[str, str]) -> bool:
+    """Whether the control thread runs ``SCHED_BATCH`` (``PHALANX_CONTROL_BATCH``, default 1; see
+    :func:`mark_control_thread`). Read in the caller's thread, so a bad value raises before any
+    thread starts."""
+    value = env.get("PHALANX_CONTROL_BATCH", "1")
+    if value not in ("0", "1"):
+        raise ConfigError(f"PHALANX_CONTROL_BATCH={value!r}: use 1 (the default) or 0 (leave the control "
+                          "thread's scheduling alone)")
+    return value == "1"
+
+
+def mark_control_thread(batch: bool) -> str:
+    """Run first on the control thread: mark it ``SCHED_BATCH``, so that neither it nor the threads
+    it starts (the process groups' builders, hence Gloo's own threads, which inherit the policy)
+    preempt a running thread when a frame or a tensor chunk wakes them; they take a core when
+    one frees up or at the running thread's next tick. Say what was done (the span log).
+
+    Where busy threads outnumber cores, every such wakeup took the core of whoever ran: the
+    coordinator fanning the verdict out to the other workers, or another rank's Gloo thread
+    mid-exchange. The bundled model at 4 workers on 2 cores went from 32.6 to 27.6 ms a step
+    (docs/BENCHMARKS.md, session 20). Nothing waits longer for it where cores are free: a woken
+    thread goes to an idle core either way. Switching to ``SCHED_BATCH`` needs no privilege."""
+    if not batch or not hasattr(os, "SCHED_BATCH"):
+        return "unchanged"
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: the calling thread only
+        return "SCHED_BATCH"
+    except OSError as e:
+        return f"SCHED_BATCH refused ({e.strerror})"
+
+
 def join(**overrides: Any) -> Job:
     """Join the cluster this process was started into by ``phalanx launch`` (reads PHALANX_* env)."""
     env = {**os.environ, **{k.upper(): str(v) for k, v in overrides.items()}}
@@ -85,8 +117,15 @@ def join(**overrides: Any) -> Job:
     backend_for(backend, "cpu")  # a bad value is a ConfigError now, before any thread starts
     run_dir = Path(env.get("PHALANX_RUN_DIR", "runs/latest"))
     data_seed = int(env.get("PHALANX_DATA_SEED", "0"))
+    batch = control_batch(env)
     loop = event_loop.new_event_loop()  # uvloop's when installed: the step's control hops are loop work
-    thread = threading.Thread(target=loop.run_forever, name="phalanx-control", daemon=True)
+    marked: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+    def control() -> None:
+        marked.set_result(mark_control_thread(batch))  # before the loop starts any thread
+        loop.run_forever()
+
+    thread = threading.Thread(target=control, name="phalanx-control", daemon=True)
     thread.start()
     compute = mark_compute_thread(env)  # after the control thread started: it keeps its priority
     transport = TcpTransport(token, name=worker_id, tls=TlsFiles.from_env(env))  # TLS if PHALANX_TLS_* are set
@@ -100,6 +139,7 @@ def join(**overrides: Any) -> Job:
     job = Job(agent, loop, run_dir, data_seed, worker_id)
     net.log = job._spans.event
     job._spans.event("compute_thread", detail=compute)
+    job._spans.event("control_thread", detail=marked.result(timeout=10))
     agent._on_fault = net.route(job.faults.on_fault)  # called on the control thread
     job.faults.install()
     asyncio.run_coroutine_threadsafe(agent.start(), loop).result(
