@@ -3,7 +3,7 @@ one run with alternating repeats, on the bundled model and MLPs of ~6 M and ~25 
 2 and 4 workers; then detection and recovery times for kill, freeze and GIL hang.
 
     python -m phalanx.bench training [--workloads charlm,mlp-6m,mlp-25m] [--workers 2,4]
-                                     [--repeats 3] [--ddp-malloc tuned|both]
+                                     [--repeats 3] [--ddp-malloc tuned|both] [--ddp-sched tuned|both]
                                      [--out runs/bench/training.json]
 
 Both sides run the same model, batches and optimizer, one thread per process. A step's time is the
@@ -16,6 +16,13 @@ Both sides' processes get the same glibc malloc thresholds (train/host_memory.py
 sets them for phalanx's workers, the DDP worker sets the same), so the ratio is the protocols' cost.
 ``--ddp-malloc both`` adds plain DDP with glibc's own rule ("ddp-glibc"), as a user runs it: at
 25 M parameters its optimizer's temporaries are mapped and faulted in again every step.
+
+Their threads are scheduled alike too: DDP's process group is built on a thread marked
+``SCHED_BATCH`` and its training thread gets nice +10, as ``phalanx.join()`` does for phalanx's
+(runtime/worker_join.py). On a box with fewer cores than busy threads that makes DDP itself
+faster, so "ddp" is the stricter peer. "ddp-os-sched" (on by default; ``--ddp-sched tuned`` leaves
+it out) is DDP under the OS's default scheduling, as a user runs it, and the table gives phalanx's
+ratio to it as well.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from phalanx.runtime.launcher import LaunchConfig, launch, python_argv
 WARMUP_STEPS = 5
 STEPS = {"charlm": 60, "mlp-6m": 40, "mlp-25m": 25}
 SYSTEMS = ("ddp", "strict", "available")
+# DDP's setups, (malloc, scheduling): "tuned" is as phalanx's workers have it, "default" as plain DDP runs
+DDP_SETUPS = {"ddp": ("tuned", "tuned"), "ddp-glibc": ("default", "tuned"), "ddp-os-sched": ("tuned", "default")}
 PHALANX_SYSTEMS = ("strict", "available")
 FAULTS = {
     "kill": '[[fault]]\nkind = "kill"\nworker = 1\nat_step = 30\nrestart = true\n',
@@ -49,14 +58,16 @@ FAULTS = {
 }
 
 
-def run_ddp(workers: int, steps: int, workload: str = "charlm", malloc: str = "tuned") -> list[float]:
+def run_ddp(workers: int, steps: int, workload: str = "charlm", malloc: str = "tuned",
+            sched: str = "tuned") -> list[float]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
         procs = [subprocess.Popen([sys.executable, "-m", "phalanx.bench.ddp_worker", str(r), str(workers),
-                                   str(store.port), str(steps), str(out), workload, malloc]) for r in range(workers)]
+                                   str(store.port), str(steps), str(out), workload, malloc, sched])
+                 for r in range(workers)]
         for p in procs:
             if p.wait(timeout=900) != 0:
                 raise RuntimeError(f"DDP worker exited with {p.returncode}")
@@ -89,6 +100,15 @@ def _spread(xs: list[float]) -> str:
     return f"{min(xs):.2f}–{max(xs):.2f}" if len(xs) > 1 else f"{xs[0]:.2f}"
 
 
+def _ratio_pairs(systems: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(system, peer) for every ratio the table shows: everyone against "ddp", and phalanx's
+    modes against DDP under the OS's scheduling when that ran."""
+    pairs = [(s, "ddp") for s in systems if s != "ddp"]
+    if "ddp-os-sched" in systems:
+        pairs += [(s, "ddp-os-sched") for s in systems if s in PHALANX_SYSTEMS]
+    return pairs
+
+
 def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: Console, tmp: Path,
             on_row: Any = None, systems: tuple[str, ...] = SYSTEMS) -> list[dict[str, Any]]:
     rows = []
@@ -105,17 +125,18 @@ def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: C
                     done += 1
                     con.print(f"[{done}/{total}] {name}, {n} workers, repeat {r + 1}: {system}")
                     steps = STEPS.get(name, 40)
-                    if system in ("ddp", "ddp-glibc"):
-                        step_s = run_ddp(n, steps, name, "tuned" if system == "ddp" else "default")
+                    if system in DDP_SETUPS:
+                        step_s = run_ddp(n, steps, name, *DDP_SETUPS[system])
                     else:
                         step_s, retried = _phalanx_step_s(n, steps, tmp / f"{name}-{n}-{system}-{r}", name, system)
                         retries[system].append(retried)
                     med[system].append(statistics.median(step_s[WARMUP_STEPS:]))
             row: dict[str, Any] = {"workload": name, "workers": n, "median_step_s": med, "steps_retried": retries}
-            for system in [s for s in systems if s != "ddp"]:
-                ratios = [p / d for p, d in zip(med[system], med["ddp"])]
-                row[f"{system}_ratios"] = ratios
-                row[f"{system}_ratio_median"] = statistics.median(ratios)
+            for system, peer in _ratio_pairs(systems):
+                ratios = [p / d for p, d in zip(med[system], med[peer])]
+                key = system if peer == "ddp" else f"{system}_vs_{peer}"
+                row[f"{key}_ratios"] = ratios
+                row[f"{key}_ratio_median"] = statistics.median(ratios)
             rows.append(row)
             if on_row is not None:
                 on_row(rows)
@@ -130,6 +151,9 @@ def main() -> int:
     ap.add_argument("--no-faults", action="store_true", help="skip the detection/recovery runs")
     ap.add_argument("--ddp-malloc", choices=("tuned", "both"), default="tuned",
                     help="both: also run plain DDP under glibc's own malloc thresholds (ddp-glibc)")
+    ap.add_argument("--ddp-sched", choices=("tuned", "both"), default="both",
+                    help="both (the default): also run DDP under the OS's default thread scheduling "
+                         "(ddp-os-sched); tuned: only DDP scheduled as phalanx's workers are")
     ap.add_argument("--out", default="runs/bench/training.json")
     args = ap.parse_args()
     con = Console(stderr=True)
@@ -145,7 +169,8 @@ def main() -> int:
             out.write_text(json.dumps({"command": "python -m phalanx.bench training " + " ".join(sys.argv[1:]),
                                        "partial": True, "rows": rows}, indent=2))
 
-        systems = SYSTEMS + (("ddp-glibc",) if args.ddp_malloc == "both" else ())
+        systems = SYSTEMS + (("ddp-glibc",) if args.ddp_malloc == "both" else ()) + \
+            (("ddp-os-sched",) if args.ddp_sched == "both" else ())
         rows = compare(workloads, counts, args.repeats, con, Path(tmp), save, systems)
         faults = {}
         if not args.no_faults:
@@ -156,16 +181,17 @@ def main() -> int:
     result = {"command": "python -m phalanx.bench training " + " ".join(sys.argv[1:]), "repeats": args.repeats,
               "warmup_steps": WARMUP_STEPS, "rows": rows, "faults": faults, "unix_s": time.time()}
     out.write_text(json.dumps(result, indent=2))
-    t = Table(title="phalanx vs plain DDP (Gloo): median step, ratio per alternating pair")
-    others = [s for s in systems if s != "ddp"]
-    for col in ("workload", "workers", *(f"{s} ms" for s in systems), *(f"{s} / ddp" for s in others)):
+    t = Table(title="phalanx vs torch DDP (Gloo): median step, ratio per alternating pair")
+    pairs = _ratio_pairs(systems)
+    for col in ("workload", "workers", *(f"{s} ms" for s in systems), *(f"{s} / {p}" for s, p in pairs)):
         t.add_column(col, no_wrap=True)
     for row in rows:
         m = row["median_step_s"]
+        keys = [s if p == "ddp" else f"{s}_vs_{p}" for s, p in pairs]
         t.add_row(row["workload"], str(row["workers"]),
                   *(f"{statistics.median(m[s]) * 1000:.1f}" for s in systems),
-                  *(f"{row[s + '_ratio_median']:.2f} ({_spread(row[s + '_ratios'])})" for s in others))
-    Console(width=max(Console().width, 160)).print(t)
+                  *(f"{row[k + '_ratio_median']:.2f} ({_spread(row[k + '_ratios'])})" for k in keys))
+    Console(width=max(Console().width, 240)).print(t)
     if faults:
         ft = Table(title="detection and recovery (4 workers, bundled model)")
         ft.add_column("fault")
