@@ -28,8 +28,8 @@ def test_the_threads_a_gloo_constructor_starts_are_found_and_lowered() -> None:
     found = threads_since(before)
     assert threading.get_native_id() not in found
     deadline = time.monotonic() + 5
-    while _names(found).count("pt_gloo_runloop") < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)  # the work threads name themselves once running
+    while not {"gloo_tcp_loop", "pt_gloo_runloop"} <= set(_names(found)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # each thread names itself once running, the loop thread too
     assert "gloo_tcp_loop" in _names(found) and "pt_gloo_runloop" in _names(found), _names(found)
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     group_named = {t for t in found if native_threads().get(t, "").startswith(("gloo", "pt_gloo"))}
