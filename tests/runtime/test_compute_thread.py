@@ -7,31 +7,14 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any
 
 import pytest
 
 from phalanx.core.errors import ConfigError
 from phalanx.runtime.worker_join import mark_compute_thread
+from tests.runtime.helpers import in_thread
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
-
-
-def _in_thread(fn: Any) -> Any:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except Exception as e:  # handed back to the test
-            out["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(10)
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 def _nice() -> int:
@@ -57,9 +40,9 @@ def test_by_default_the_calling_thread_is_niced_and_no_other() -> None:
     def mark() -> tuple[str, int, int, int]:
         before = _nice()
         done = mark_compute_thread({})
-        return done, before, _nice(), _in_thread(_nice)  # a thread started after inherits it
+        return done, before, _nice(), in_thread(_nice)  # a thread started after inherits it
 
-    done, before, after, child = _in_thread(mark)
+    done, before, after, child = in_thread(mark)
     release.set()
     other.join(10)
     assert after == min(before + 10, 19) and child == after
@@ -69,7 +52,7 @@ def test_by_default_the_calling_thread_is_niced_and_no_other() -> None:
 
 @linux
 def test_zero_leaves_it_alone_and_bad_settings_are_named() -> None:
-    assert _in_thread(lambda: (mark_compute_thread({"PHALANX_COMPUTE_NICE": "0"}), _nice())) == ("unchanged", _nice())
+    assert in_thread(lambda: (mark_compute_thread({"PHALANX_COMPUTE_NICE": "0"}), _nice())) == ("unchanged", _nice())
     for bad in ("20", "-5", "high"):
         with pytest.raises(ConfigError, match=f"PHALANX_COMPUTE_NICE='{bad}'"):
             mark_compute_thread({"PHALANX_COMPUTE_NICE": bad})
@@ -83,10 +66,10 @@ def test_batch_scheduling_is_opt_in_and_inherited() -> None:
 
     def mark() -> tuple[str, int, int]:
         done = mark_compute_thread({"PHALANX_BATCH_SCHEDULING": "1", "PHALANX_COMPUTE_NICE": "0"})
-        child = _in_thread(lambda: os.sched_getscheduler(0))  # started after: inherits it
+        child = in_thread(lambda: os.sched_getscheduler(0))  # started after: inherits it
         return done, os.sched_getscheduler(0), child
 
-    assert _in_thread(mark) == ("SCHED_BATCH", os.SCHED_BATCH, os.SCHED_BATCH)
+    assert in_thread(mark) == ("SCHED_BATCH", os.SCHED_BATCH, os.SCHED_BATCH)
     assert os.sched_getscheduler(0) == before  # this thread (pytest's) is untouched
-    assert _in_thread(lambda: (mark_compute_thread({"PHALANX_COMPUTE_NICE": "0"}), os.sched_getscheduler(0))) == \
+    assert in_thread(lambda: (mark_compute_thread({"PHALANX_COMPUTE_NICE": "0"}), os.sched_getscheduler(0))) == \
         ("unchanged", before)

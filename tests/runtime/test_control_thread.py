@@ -13,25 +13,9 @@ import pytest
 
 from phalanx.core.errors import ConfigError
 from phalanx.runtime.worker_join import control_batch, mark_control_thread
+from tests.runtime.helpers import in_thread
 
 batch_os = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH on this OS")
-
-
-def _in_thread(fn: Any) -> Any:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except Exception as e:  # handed back to the test
-            out["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(60)
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 def test_the_setting_is_on_by_default_and_a_bad_value_is_named() -> None:
@@ -49,11 +33,11 @@ def test_the_control_thread_and_the_threads_it_starts_are_batch_and_no_other() -
 
     def control() -> tuple[str, int, int]:
         done = mark_control_thread(True)
-        return done, os.sched_getscheduler(0), _in_thread(lambda: os.sched_getscheduler(0))
+        return done, os.sched_getscheduler(0), in_thread(lambda: os.sched_getscheduler(0))
 
-    assert _in_thread(control) == ("SCHED_BATCH", os.SCHED_BATCH, os.SCHED_BATCH)
+    assert in_thread(control) == ("SCHED_BATCH", os.SCHED_BATCH, os.SCHED_BATCH)
     assert os.sched_getscheduler(0) == mine  # pytest's thread is untouched
-    assert _in_thread(lambda: (mark_control_thread(False), os.sched_getscheduler(0))) == ("unchanged", mine)
+    assert in_thread(lambda: (mark_control_thread(False), os.sched_getscheduler(0))) == ("unchanged", mine)
 
 
 @batch_os
