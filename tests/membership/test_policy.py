@@ -21,8 +21,12 @@ def test_updated_speed(name, old, share, compute_s, expected):
 @pytest.mark.parametrize("name, mode, members, speeds, expected", [
     ("strict shares evenly", M.STRICT, ("w0", "w1"), {"w0": 1.0, "w1": 3.0}, []),
     ("available: proportional to speed", M.AVAILABLE, ("w0", "w1"), {"w0": 1.0, "w1": 3.0}, [0.25, 0.75]),
-    ("available: unmeasured get the mean", M.AVAILABLE, ("w0", "w1", "w2"), {"w0": 1.0, "w1": 3.0},
-     [1 / 6, 3 / 6, 2 / 6]),
+    ("available: unmeasured get the mean", M.AVAILABLE, ("w0", "w1", "w2"), {"w0": 1.0, "w1": 9.0},
+     [1 / 11, 5 / 11, 5 / 11]),  # the mean, 5, is the median: 9 is within 2x of it, 1 is not
+    ("available: within 2x of the median is even (scheduling noise)", M.AVAILABLE, ("w0", "w1", "w2", "w3"),
+     {"w0": 1.0, "w1": 1.9, "w2": 0.6, "w3": 1.2}, [0.25, 0.25, 0.25, 0.25]),
+    ("available: a 3x straggler gets its smaller share, the rest even", M.AVAILABLE, ("w0", "w1", "w2", "w3"),
+     {"w0": 1.0, "w1": 1.3, "w2": 0.35, "w3": 0.9}, [0.9 / 3.05, 0.9 / 3.05, 0.35 / 3.05, 0.9 / 3.05]),
     ("available: nothing measured is even", M.AVAILABLE, ("w0", "w1"), {}, [0.5, 0.5]),
 ])
 def test_shard_weights(name, mode, members, speeds, expected):

@@ -8,6 +8,7 @@ about itself is believable.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -23,9 +24,17 @@ def updated_speed(old: float | None, share: float, compute_s: float) -> float | 
     return speed if old is None else 0.5 * old + 0.5 * speed
 
 
+# A member measured within this factor of the median speed counts as the median: on a box with
+# more busy threads than cores one step's compute time varies up to 3x with the scheduler alone,
+# and chasing that gave uneven shares that cost available mode 7 % a step (docs/BENCHMARKS.md,
+# session 20); a straggler 2x or more behind still gets its smaller share.
+SPEED_TOLERANCE = 2.0
+
+
 def shard_weights(mode: ConsistencyMode, members: Sequence[str], speeds: Mapping[str, float]) -> list[float]:
-    """Available mode: shares proportional to measured speed (unmeasured members get the mean).
-    Other modes: [] (even shares)."""
+    """Available mode: shares proportional to measured speed (unmeasured members get the mean),
+    where a speed within ``SPEED_TOLERANCE`` of the (low) median counts as that median. Other
+    modes: [] (even shares)."""
     if mode is not ConsistencyMode.AVAILABLE or not members:
         return []
     known = [speeds[w] for w in members if w in speeds]
@@ -33,6 +42,8 @@ def shard_weights(mode: ConsistencyMode, members: Sequence[str], speeds: Mapping
         return [1.0 / len(members)] * len(members)
     mean = sum(known) / len(known)
     raw = [speeds.get(w, mean) for w in members]
+    median = statistics.median_low(raw)  # a member's own speed: with two, the slower one's
+    raw = [median if median / SPEED_TOLERANCE <= r <= median * SPEED_TOLERANCE else r for r in raw]
     total = sum(raw)
     return [r / total for r in raw]
 
