@@ -26,7 +26,7 @@ def updated_speed(old: float | None, share: float, compute_s: float) -> float | 
 
 # A member measured within this factor of the median speed counts as the median: on a box with
 # more busy threads than cores one step's compute time varies up to 3x with the scheduler alone,
-# and chasing that gave uneven shares that cost available mode 7 % a step (docs/BENCHMARKS.md,
+# and chasing that gave uneven shares that cost available mode 5.6 % a step (docs/BENCHMARKS.md,
 # session 20); a straggler 2x or more behind still gets its smaller share.
 SPEED_TOLERANCE = 2.0
 

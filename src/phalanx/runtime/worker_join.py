@@ -92,7 +92,7 @@ def mark_control_thread(batch: bool) -> str:
 
     Where busy threads outnumber cores, every such wakeup took the core of whoever ran: the
     coordinator fanning the verdict out to the other workers, or another rank's Gloo thread
-    mid-exchange. The bundled model at 4 workers on 2 cores went from 32.6 to 27.6 ms a step
+    mid-exchange. The bundled model at 4 workers on 2 cores went from 32.6 to 28.2 ms a step
     (docs/BENCHMARKS.md, session 20). Nothing waits longer for it where cores are free: a woken
     thread goes to an idle core either way. Switching to ``SCHED_BATCH`` needs no privilege."""
     if not batch or not hasattr(os, "SCHED_BATCH"):
