@@ -39,12 +39,10 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
 
     def init() -> None:
-        if sched == "tuned":
-            mark_control_thread(True)  # Gloo's threads, started by the constructor, inherit it
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
-    if sched == "tuned":  # built on a thread of its own, which alone is marked
-        builder = threading.Thread(target=init, name="ddp-pg")
+    if sched == "tuned":  # built on a thread of its own, which alone is marked: Gloo's threads inherit it
+        builder = threading.Thread(target=lambda: (mark_control_thread(True), init()), name="ddp-pg")
         builder.start()
         builder.join()
         mark_compute_thread({})  # nice +10, as phalanx.join() does for the training thread
