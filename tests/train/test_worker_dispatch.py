@@ -66,3 +66,66 @@ def test_a_broken_quorums_group_is_given_up_when_the_coordinator_says_so_and_no_
         assert agent._broken_event(3).is_set()
 
     run_virtual(main())
+
+
+class _SendConn(_Conn):
+    is_closed = False
+
+    def __init__(self):
+        self.sent = []
+
+    async def send(self, message):
+        self.sent.append(message)
+
+
+class _Stuck:
+    """A collective whose peer died: it never completes on its own."""
+
+    async def wait(self, timeout_s):
+        await asyncio.sleep(3600)
+
+
+class _StuckGroup(_Group):
+    def start_allreduce_sum(self, tensor, share=1.0):
+        return _Stuck()
+
+
+def _vote(agent, quorum_id):
+    from phalanx.train.exchange import Exchange
+    from phalanx.train.worker_agent import Assignment
+
+    a = Assignment(5, quorum_id, ("w0", "w1"), 1, "", "", (), "", False, (), 0, False)
+    ex = Exchange(_StuckGroup(quorum_id))
+    ex.launch(object())
+    return asyncio.ensure_future(agent.allreduce(a, ex, None, lambda: (True, 0.0), 0.01, next_step=6))
+
+
+def test_a_vote_on_a_quorum_the_coordinator_broke_is_an_abort_without_a_round_trip():
+    """The coordinator breaks a quorum only when it aborts the quorum's step, and a step needs every
+    member's report to commit: a member still voting knows the verdict, and reports nothing."""
+    from phalanx.core.messages import AllreduceDone, QuorumBroken, StepDecision
+
+    async def main():
+        agent = WorkerAgent(_Host(), WorkerConfig("w1", "c:1"), pg_factory=None)
+        agent._conn = conn = _SendConn()
+        vote = _vote(agent, 3)  # waiting on its collective when the news arrives
+        await asyncio.sleep(0.05)
+        agent._dispatch(QuorumBroken(quorum_id=3, reason="w0 lost (connection lost)"))
+        d = await vote
+        assert (d.commit, d.step, d.quorum_id, d.reason) == (False, 5, 3, "w0 lost (connection lost)")
+        assert conn.sent == [] and agent._decisions == {}
+        d = await _vote(agent, 3)  # voting after the news: the same, at once
+        assert not d.commit and conn.sent == []
+        # an intact quorum's vote still reports, and waits for the verdict
+        from phalanx.collectives.process_group import LocalProcessGroup
+        from phalanx.train.exchange import Exchange
+        from phalanx.train.worker_agent import Assignment
+
+        a = Assignment(5, 4, ("w1",), 0, "", "", (), "", False, (), 0, False)
+        vote = asyncio.ensure_future(agent.allreduce(a, Exchange(LocalProcessGroup(4)), None, lambda: (True, 0.0), 0.01))
+        await asyncio.sleep(0.05)
+        assert not vote.done() and [type(m) for m in conn.sent] == [AllreduceDone]
+        agent._dispatch(StepDecision(step=5, quorum_id=4, commit=True, reason="ok"))
+        assert (await vote).commit
+
+    run_virtual(main())

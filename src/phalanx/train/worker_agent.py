@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from phalanx.collectives.process_group import ProcessGroup, ProcessGroupFactory
+from phalanx.collectives.process_group import ProcessGroupFactory
 from phalanx.core.errors import (
     CollectiveError, CoordinatorLost, FrameRejected, JobOver, PeerTimeout, QuorumBroken, TransportError,
 )
@@ -24,6 +24,7 @@ from phalanx.core.messages import (
 from phalanx.train.assignment import Assignment, WorkerConfig
 from phalanx.train.exchange import Exchange
 from phalanx.train.healing import Healing, HealedState
+from phalanx.train.quorum_groups import QuorumGroups
 
 __all__ = ["Assignment", "HealedState", "StateProvider", "WorkerAgent", "WorkerConfig"]
 
@@ -31,13 +32,12 @@ __all__ = ["Assignment", "HealedState", "StateProvider", "WorkerAgent", "WorkerC
 StateProvider = Callable[[], tuple[bytes, list[memoryview], str]]
 
 
-class WorkerAgent(Healing):
+class WorkerAgent(QuorumGroups, Healing):
     def __init__(self, host: Host, cfg: WorkerConfig, pg_factory: Callable[[str, str], ProcessGroupFactory],
                  state_provider: StateProvider | None = None,
                  on_fault: Callable[[InjectFault], None] | None = None) -> None:
         self.host, self.cfg = host, cfg
-        self._make_pg_factory = pg_factory
-        self._pg_factory: ProcessGroupFactory | None = None
+        QuorumGroups.__init__(self, pg_factory)
         self.state_provider, self._on_fault = state_provider, on_fault
         self.incarnation = f"{host.rng.getrandbits(48):012x}"
         self.welcome: Welcome | None = None
@@ -49,8 +49,6 @@ class WorkerAgent(Healing):
         self._asked: tuple[int, Connection] | None = None  # fast path: the request rode on the report
         self._early: tuple[Assignment, Connection] | None = None  # ... its grant came before we waited
         self._decisions: dict[tuple[int, int], asyncio.Future[StepDecision]] = {}
-        self._broken: dict[int, asyncio.Event] = {}
-        self._pg: ProcessGroup | None = None
         self._serving, self._heal_acks = None, {}  # Healing's: the quorum we heal others for, their acks
         self._snapshot: tuple[int, bytes, list[memoryview], str] | None = None  # one per quorum, ...
         self._capture_lock = asyncio.Lock()  # ... however many joiners ask
@@ -59,8 +57,6 @@ class WorkerAgent(Healing):
         self._phase_mark: tuple[int, int, str, float] | None = None  # (step, quorum id, phase, entered at)
         self._decision_due_s: dict[tuple[int, int], float] = {}  # (step, quorum id) -> give up waiting then
         self._members: tuple[int, tuple[str, ...]] = (-1, ())  # the last member list received, with its quorum id
-        self._racing: dict[asyncio.Task[Any], int] = {}  # tasks awaiting work a broken quorum interrupts -> its id
-        self._interrupted: dict[asyncio.Task[Any], Exception] = {}
         self.heal_address = ""
 
     # ---- connection ----
@@ -194,11 +190,7 @@ class WorkerAgent(Healing):
             elif self._conn is not None:
                 self._early = (a, self._conn)  # granted on a piggybacked request: kept for its step
         elif isinstance(m, QuorumBrokenMsg):
-            self._broken_event(m.quorum_id).set()
-            if self._pg is not None and self._pg.quorum_id == m.quorum_id:
-                self._pg.abandon()  # never used again: let go now (a dead peer's group stops taking cores)
-                self._pg = None
-            self._interrupt(m.quorum_id, QuorumBroken(f"quorum {m.quorum_id} was broken by the coordinator"))
+            self._quorum_broken(m.quorum_id, m.reason)
         elif isinstance(m, StepDecision):
             fut = self._decisions.get((m.step, m.quorum_id))
             if fut is not None and not fut.done():
@@ -211,12 +203,6 @@ class WorkerAgent(Healing):
             if self._assignment is not None and not self._assignment.done():
                 self._assignment.set_exception(JobOver(m.reason))
                 self._assignment.exception()  # retrieved by the waiter
-
-    def _broken_event(self, quorum_id: int) -> asyncio.Event:
-        if quorum_id not in self._broken:
-            self._broken = {q: e for q, e in self._broken.items() if q >= quorum_id - 8}  # bounded
-            self._broken[quorum_id] = asyncio.Event()
-        return self._broken[quorum_id]
 
     # ---- the step protocol ----
     async def wait_for_quorum(self, step: int, total_steps: int = -1, timeout_s: float | None = None) -> Assignment:
@@ -259,28 +245,6 @@ class WorkerAgent(Healing):
         self._asked = self._early = None
         return early[0]
 
-    async def process_group(self, a: Assignment) -> ProcessGroup:
-        if self._pg is not None and self._pg.quorum_id == a.quorum_id:
-            return self._pg
-        if self._pg is not None:
-            self._pg.abandon()  # a new epoch: the old group is never used again
-            self._pg = None
-        if self._pg_factory is None:
-            assert self.welcome is not None
-            self._pg_factory = self._make_pg_factory(self.welcome.store_address, self.welcome.run_id)
-        timeout_s = self.welcome.collective_timeout_s if self.welcome else 5.0
-        self._pg = await self._race_broken(a, self._pg_factory.create(a.quorum_id, a.rank, a.world_size, timeout_s))
-        return self._pg
-
-    async def exchange(self, a: Assignment) -> Exchange:
-        """This attempt's collectives on the quorum's process group (formed now if it is new), so
-        the body can start all-reducing gradient buckets while it still computes. A group that
-        cannot form gives a broken exchange: the vote then reports the failure."""
-        try:
-            return Exchange(await self.process_group(a))
-        except (CollectiveError, QuorumBroken) as e:
-            return Exchange.broken(str(e))
-
     async def allreduce(self, a: Assignment, ex: Exchange, tail: Any, verify: Callable[[], tuple[bool, float]],
                         compute_s: float, next_step: int = -1) -> StepDecision:
         """Start ``tail`` after the buckets the body launched, wait for them all, report the
@@ -308,6 +272,14 @@ class WorkerAgent(Healing):
             ok, error = False, str(e)
         finally:
             self._phase_mark = None  # the report below moves the phase on (or the step is gone)
+        if self._broken_event(a.quorum_id).is_set():
+            # The coordinator broke this quorum before our report left: it only does so when it
+            # aborts the quorum's step (its abort came with the news), and a step needs every
+            # member's report to commit. So the verdict is known here, without a round trip; a
+            # report now would only be fenced.
+            self._decisions.pop(key, None)
+            return StepDecision(step=a.step, quorum_id=a.quorum_id, commit=False,
+                                reason=self._broken_why.get(a.quorum_id) or error or "quorum broken")
         covered_once, loss = verify() if ok else (False, 0.0)
         conn = self._conn
         await self._send(AllreduceDone(step=a.step, quorum_id=a.quorum_id, ok=ok, error=error,
@@ -330,41 +302,6 @@ class WorkerAgent(Healing):
             await self._send(message)
         except CoordinatorLost:
             pass
-
-    async def _race_broken(self, a: Assignment, coro: Any) -> Any:
-        """Run ``coro`` unless the coordinator declares this quorum broken (or is lost) first.
-
-        ``coro`` runs in the calling task, which ``_interrupt`` cancels, as ``asyncio.timeout``
-        does: no task per call (this runs for every member on every step). The loop is single
-        threaded, so an interrupt can only land while the task is suspended inside ``coro``; its
-        CancelledError surfaces there and becomes ``why``. A cancellation from outside too (a
-        simulated crash) propagates as a cancellation.
-        """
-        if self._lost.is_set() or self._broken_event(a.quorum_id).is_set():
-            coro.close()
-            if self._lost.is_set():
-                raise CoordinatorLost("lost the coordinator during the step")
-            raise QuorumBroken(f"quorum {a.quorum_id} was broken by the coordinator")
-        me = asyncio.current_task()
-        assert me is not None and me not in self._racing, "one race at a time per task"
-        self._racing[me] = a.quorum_id
-        try:
-            return await coro
-        except asyncio.CancelledError:
-            why = self._interrupted.pop(me, None)
-            if why is None or me.uncancel() > 0:  # not ours, or cancelled from outside as well
-                raise
-            raise why from None
-        finally:
-            self._racing.pop(me, None)
-            self._interrupted.pop(me, None)
-
-    def _interrupt(self, quorum_id: int | None, why: Exception) -> None:
-        """Cancel the racing work of ``quorum_id`` (None: all of it), which then raises ``why``."""
-        for task, qid in list(self._racing.items()):
-            if (quorum_id is None or qid == quorum_id) and not task.done() and task not in self._interrupted:
-                self._interrupted[task] = why
-                task.cancel()
 
     def committed(self, step: int) -> None:
         assert step == self.last_committed_step + 1 or self.last_committed_step == -1 or step > self.last_committed_step
