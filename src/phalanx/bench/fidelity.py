@@ -186,7 +186,7 @@ def step_budget(commits: list[Any]) -> dict[str, dict[str, float]]:
 def _calibrate(compute_s: float, allreduce_s: float, calib_step: float, process_exit_s: float) -> dict[str, float]:
     """The simulator's costs from the fault-free run's spans, step by step as a fault-free step runs
     now (the fast path): the next quorum's grant rides on the commit decision, so a step is the
-    compute span, the all-reduce span (the gradient's one bucket -- 0.47 MB, under the 8 MiB bucket
+    compute span, the all-reduce span (the gradient's one bucket -- 0.47 MB, under the 25 MiB bucket
     size -- carrying the coverage tail, then the report -> decision round trip), and a gap of local
     work outside both spans (the optimizer step, the loop). The spans cannot tell the collective from
     the round trip, so the all-reduce span is split evenly: half for the one collective (a 4-rank
