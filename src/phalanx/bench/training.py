@@ -1,9 +1,11 @@
 """Training benchmark: plain torch DDP (Gloo) vs phalanx strict and available, side by side in
 one run with alternating repeats, on the bundled model and MLPs of ~6 M and ~25 M parameters, at
-2 and 4 workers; then detection and recovery times for kill, freeze and GIL hang.
+2 and 4 workers; then detection and recovery times for kill, freeze and GIL hang (each run
+``--fault-repeats`` times, interleaved: the median and range are reported).
 
     python -m phalanx.bench training [--workloads charlm,mlp-6m,mlp-25m] [--workers 2,4]
                                      [--repeats 3] [--ddp-malloc tuned|both] [--ddp-sched tuned|both]
+                                     [--fault-repeats 3] [--no-faults]
                                      [--out runs/bench/training.json]
 
 Both sides run the same model, batches and optimizer, one thread per process. A step's time is the
@@ -143,12 +145,24 @@ def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: C
     return rows
 
 
+def fault_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every run of one fault, with the median and range of its detection and recovery times (a
+    run whose fault was never detected or recovered from counts as infinitely slow)."""
+    out: dict[str, Any] = {"runs": runs}
+    for k in ("detected_after_s", "recovered_after_s"):
+        xs = [float(r[k]) if r.get(k) is not None else float("inf") for r in runs]
+        out[k] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--workers", default="2,4", help="comma-separated worker counts")
     ap.add_argument("--repeats", type=int, default=3, help="alternating DDP/strict/available rounds")
     ap.add_argument("--no-faults", action="store_true", help="skip the detection/recovery runs")
+    ap.add_argument("--fault-repeats", type=int, default=3,
+                    help="runs of each fault (kill, freeze, GIL hang, interleaved); the table gives their median and range")
     ap.add_argument("--ddp-malloc", choices=("tuned", "both"), default="tuned",
                     help="both: also run plain DDP under glibc's own malloc thresholds (ddp-glibc)")
     ap.add_argument("--ddp-sched", choices=("tuned", "both"), default="both",
@@ -172,12 +186,13 @@ def main() -> int:
         systems = SYSTEMS + (("ddp-glibc",) if args.ddp_malloc == "both" else ()) + \
             (("ddp-os-sched",) if args.ddp_sched == "both" else ())
         rows = compare(workloads, counts, args.repeats, con, Path(tmp), save, systems)
-        faults = {}
-        if not args.no_faults:
+        records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in FAULTS}
+        for i in range(0 if args.no_faults else max(args.fault_repeats, 1)):
             for kind, text in FAULTS.items():
-                con.print(f"fault run: {kind}")
-                res = run_phalanx(4, 60, Path(tmp) / f"fault-{kind}", text)
-                faults[kind] = res.faults[0] if res.faults else None
+                con.print(f"fault run {i + 1}/{args.fault_repeats}: {kind}")
+                res = run_phalanx(4, 60, Path(tmp) / f"fault-{kind}-{i}", text)
+                records[kind] += res.faults[:1]
+        faults = {kind: fault_summary(runs) for kind, runs in records.items() if runs}
     result = {"command": "python -m phalanx.bench training " + " ".join(sys.argv[1:]), "repeats": args.repeats,
               "warmup_steps": WARMUP_STEPS, "rows": rows, "faults": faults, "unix_s": time.time()}
     out.write_text(json.dumps(result, indent=2))
@@ -193,13 +208,13 @@ def main() -> int:
                   *(f"{row[k + '_ratio_median']:.2f} ({_spread(row[k + '_ratios'])})" for k in keys))
     Console(width=max(Console().width, 240)).print(t)
     if faults:
-        ft = Table(title="detection and recovery (4 workers, bundled model)")
+        ft = Table(title="detection and recovery (4 workers, bundled model): median (range)")
         ft.add_column("fault")
         ft.add_column("detected after")
         ft.add_column("recovered after")
         for kind, f in faults.items():
-            if f:
-                ft.add_row(kind, f"{f['detected_after_s']} s", f"{f['recovered_after_s']} s")
+            ft.add_row(kind, *(f"{f[k]['median']:.3f} s ({f[k]['min']:.3f}-{f[k]['max']:.3f}, {len(f['runs'])} runs)"
+                               for k in ("detected_after_s", "recovered_after_s")))
         Console().print(ft)
     print(f"wrote {out}")
     return 0
