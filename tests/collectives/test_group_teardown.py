@@ -28,8 +28,12 @@ def test_the_threads_a_gloo_constructor_starts_are_found_and_lowered() -> None:
     found = threads_since(before)
     assert threading.get_native_id() not in found
     deadline = time.monotonic() + 5
-    while not {"gloo_tcp_loop", "pt_gloo_runloop"} <= set(_names(found)) and time.monotonic() < deadline:
-        time.sleep(0.01)  # each thread names itself once running, the loop thread too
+    # each thread names itself once running, the loop thread too, and Gloo's work threads one by
+    # one: wait until every thread the constructor started has (one still unnamed when the group's
+    # threads are counted below, and named by the time they are lowered, was a race of this test)
+    while (not all(n.startswith(("gloo", "pt_gloo")) for n in _names(found)) or len(_names(found)) < len(found)) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert "gloo_tcp_loop" in _names(found) and "pt_gloo_runloop" in _names(found), _names(found)
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     group_named = {t for t in found if native_threads().get(t, "").startswith(("gloo", "pt_gloo"))}
