@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
-from phalanx.core.errors import QuorumBroken
 from phalanx.core.messages import HealAck, HealChunk, HealOffer, HealRequest
 from phalanx.train.assignment import Assignment, WorkerConfig
 from phalanx.train.worker_agent import WorkerAgent
@@ -64,8 +63,7 @@ def test_a_quorum_broken_during_the_load_waits_for_the_load_then_acks() -> None:
 
         task = asyncio.create_task(agent.heal(a, load))
         await asyncio.wait_for(started.wait(), 5)
-        agent._broken_event(5).set()
-        agent._interrupt(5, QuorumBroken("quorum 5 was broken by the coordinator"))
+        agent._quorum_broken(5, "w0 lost")  # as the coordinator's QuorumBroken does
         await asyncio.sleep(0.05)
         assert not task.done()  # still loading
         release.set()

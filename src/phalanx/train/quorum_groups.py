@@ -33,25 +33,18 @@ class QuorumGroups:
         self._make_pg_factory = pg_factory
         self._pg_factory: ProcessGroupFactory | None = None
         self._pg: ProcessGroup | None = None
-        self._broken: dict[int, asyncio.Event] = {}
-        self._broken_why: dict[int, str] = {}  # the coordinator's reason, for the quorums it broke
+        self._broken: dict[int, str] = {}  # the quorums the coordinator broke (the newest few) -> its reason
         self._racing: dict[asyncio.Task[Any], int] = {}  # tasks awaiting work a broken quorum interrupts -> its id
         self._interrupted: dict[asyncio.Task[Any], Exception] = {}
 
     def _quorum_broken(self, quorum_id: int, reason: str) -> None:
-        self._broken_event(quorum_id).set()
-        self._broken_why[quorum_id] = reason
+        floor = max([quorum_id, *self._broken]) - 8  # bounded: the newest few
+        self._broken = {q: w for q, w in self._broken.items() if q >= floor}
+        self._broken[quorum_id] = reason
         if self._pg is not None and self._pg.quorum_id == quorum_id:
             self._pg.abandon()  # never used again: let go now (a dead peer's group stops taking cores)
             self._pg = None
         self._interrupt(quorum_id, QuorumBroken(f"quorum {quorum_id} was broken by the coordinator"))
-
-    def _broken_event(self, quorum_id: int) -> asyncio.Event:
-        if quorum_id not in self._broken:
-            self._broken = {q: e for q, e in self._broken.items() if q >= quorum_id - 8}  # bounded
-            self._broken_why = {q: w for q, w in self._broken_why.items() if q in self._broken}
-            self._broken[quorum_id] = asyncio.Event()
-        return self._broken[quorum_id]
 
     async def process_group(self, a: Assignment) -> ProcessGroup:
         if self._pg is not None and self._pg.quorum_id == a.quorum_id:
@@ -84,7 +77,7 @@ class QuorumGroups:
         CancelledError surfaces there and becomes ``why``. A cancellation from outside too (a
         simulated crash) propagates as a cancellation.
         """
-        if self._lost.is_set() or self._broken_event(a.quorum_id).is_set():
+        if self._lost.is_set() or a.quorum_id in self._broken:
             coro.close()
             if self._lost.is_set():
                 raise CoordinatorLost("lost the coordinator during the step")

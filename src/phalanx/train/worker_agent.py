@@ -272,14 +272,14 @@ class WorkerAgent(QuorumGroups, Healing):
             ok, error = False, str(e)
         finally:
             self._phase_mark = None  # the report below moves the phase on (or the step is gone)
-        if self._broken_event(a.quorum_id).is_set():
+        if a.quorum_id in self._broken:
             # The coordinator broke this quorum before our report left: it only does so when it
             # aborts the quorum's step (its abort came with the news), and a step needs every
             # member's report to commit. So the verdict is known here, without a round trip; a
             # report now would only be fenced.
             self._decisions.pop(key, None)
             return StepDecision(step=a.step, quorum_id=a.quorum_id, commit=False,
-                                reason=self._broken_why.get(a.quorum_id) or error or "quorum broken")
+                                reason=self._broken[a.quorum_id] or error or "quorum broken")
         covered_once, loss = verify() if ok else (False, 0.0)
         conn = self._conn
         await self._send(AllreduceDone(step=a.step, quorum_id=a.quorum_id, ok=ok, error=error,
