@@ -19,9 +19,9 @@ no-op, and when the loop body ends the engine runs the same step number again on
 from __future__ import annotations
 
 import asyncio
-import queue
+import concurrent.futures
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,11 @@ from phalanx.core.errors import ConfigError, FinalStateUnavailable
 from phalanx.train import host_memory, sharding
 from phalanx.train.faults_in_process import InProcessFaults
 from phalanx.train.grad_buckets import DEFAULT_BUCKET_BYTES, GradientBuckets, copy_back, coverage_tail, start_gradients
+from phalanx.train.thread_body import ThreadBody
+from phalanx.train.speculation import (DEFAULT_MAX_BYTES, Pending, StateSnapshot, same_body, setting_from_env,
+                                       settle_once)
 from phalanx.train.step_buffer import TailLayout, expected_coverage
-from phalanx.train.step_engine import BodyResult, LoopExited, StepEngine, Ticket, Vote
+from phalanx.train.step_engine import BodyResult, StepEngine, Ticket, Vote
 from phalanx.train.torch_state import SpanLog, TorchState
 from phalanx.train.worker_agent import WorkerAgent
 
@@ -51,6 +54,9 @@ class Step:
         self.committed = False
         self.failed = ""
         self._reduced = False
+        self._guess: Pending | None = None  # run on a guessed grant while this verdict travels
+        self._orphan = False  # a guess that turned out wrong: the engine never handed this body
+        self._rng_back: torch.Tensor | None = None  # where the random state goes back to, if not its own start
 
     number = property(lambda self: self._a.step, doc="the step number (same on every retry)")
     quorum_id = property(lambda self: self._a.quorum_id, doc="the epoch this attempt runs in")
@@ -80,63 +86,12 @@ class Step:
 
         On a broken quorum the gradients are zeroed, the step is latched as failed (the tracked
         optimizer will not step) and the loop body will run again. Never raises for faults.
+        For a small tracked model the True may come before the verdict (train/speculation.py):
+        if that verdict is an abort, the model goes back and the next step's call returns False.
         """
         assert not self._reduced, "allreduce_gradients is called once per step"
         self._reduced = True
         return self._job._allreduce(self, model, loss)
-
-
-class _ThreadBody:
-    """The StepBody of real runs: hands each ticket to the user's thread (the body of their
-    ``for step in job.steps(...)`` loop) and waits until that body has ended. A ticket the engine
-    already handed over with the last vote (the fast path) is not queued again; results come back
-    in order, so one that arrives before the engine waits for it is kept."""
-
-    _END = object()
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._tickets: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._results: asyncio.Queue[BodyResult | Exception] | None = None
-
-    async def run(self, ticket: Ticket) -> BodyResult:
-        if self._results is None:
-            self._results = asyncio.Queue()
-        if not ticket.handed:
-            self._tickets.put(ticket)
-        item = await self._results.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    # ---- called on the user's thread ----
-    def next_ticket(self) -> Ticket | None:
-        """The next step to run, or None once the engine has ended (its result says how)."""
-        item = self._tickets.get()
-        return None if item is self._END else item
-
-    def body_done(self, result: BodyResult) -> None:
-        self._loop.call_soon_threadsafe(self._put, result)
-
-    def body_exited(self, why: str) -> None:
-        self._loop.call_soon_threadsafe(self._put, LoopExited(why))
-
-    def ended(self, _fut: Any = None) -> None:
-        self._tickets.put(self._END)
-
-    async def vote(self, voting: Coroutine[Any, Any, Vote], samples: int) -> Vote:
-        """The vote, on the loop. A commit that hands the next ticket is this body's result as well
-        (nothing after it can un-commit the step: a failing user loop ends the job either way), so
-        the engine gets it here, without another hop from the user's thread."""
-        vote = await voting
-        if vote.commit and vote.next is not None:
-            self._put(BodyResult(True, samples, vote.loss, ""))
-        return vote
-
-    def _put(self, item: BodyResult | Exception) -> None:
-        if self._results is None:
-            self._results = asyncio.Queue()
-        self._results.put_nowait(item)
 
 
 class Job:
@@ -155,9 +110,11 @@ class Job:
         self._current: Step | None = None
         self._buckets: GradientBuckets | None = None
         self._next: Ticket | None = None  # handed over with the last vote (the fast path)
+        self._snapshot: StateSnapshot | None = None  # small models: speculate past the verdict
+        self._pending: Pending | None = None  # the step whose verdict travels while a guess runs
         self.faults = InProcessFaults(self)
         self._spans = SpanLog(run_dir / "workers" / f"{worker_id}.jsonl", worker_id)
-        self._body = _ThreadBody(loop)
+        self._body = ThreadBody(loop)
         self.engine = StepEngine(agent, self._body, TorchState(self), self._spans)
 
     # ---- properties users read ----
@@ -198,6 +155,9 @@ class Job:
         self._spans.event("host_memory", detail=host_memory.tune_for_parameters(model.parameters()))
         if overlap and self.mode != "local-sgd":
             self._buckets = GradientBuckets(list(model.parameters()), bucket_bytes)
+        fits = (setting_from_env() == "on" and self._buckets is not None
+                and StateSnapshot.fits(model, optimizer, DEFAULT_MAX_BYTES))
+        self._snapshot = StateSnapshot(model, optimizer, DEFAULT_MAX_BYTES) if fits and optimizer is not None else None
         if optimizer is not None:
             original = optimizer.step
 
@@ -222,20 +182,31 @@ class Job:
             ticket = self._body.next_ticket()
             while ticket is not None:
                 st = Step(self, ticket)
-                self._current = st
+                st._guess, self._current = self._pending, st  # a guess runs while the last verdict travels
                 rng = torch.get_rng_state()
                 yield st
                 if not st._reduced and not st.failed:
                     # a body without gradients still votes (the tracked model's buckets, if any, so
                     # every rank starts the same collectives)
                     self._allreduce(st, self.model if self._buckets is not None else None, None)
+                self._settle(st, block=True)
                 if not st.committed:
-                    self._rollback(rng)
+                    self._rollback(st._rng_back if st._rng_back is not None else rng)
+                p = self._pending
+                if p is not None and p.step is st:  # its verdict travels: the next body runs on a guess
+                    p.rng, ticket = rng, p.guess()
+                    continue
+                if st._orphan:  # the engine never handed it: run what it did hand, or wait for it
+                    ticket, self._next = self._next or self._body.next_ticket(), None
+                    continue
                 if self._next is None:  # else the vote that handed it gave the engine this result
                     samples = st._shard[1] if st._shard else 0
                     self._body.body_done(BodyResult(st.committed, samples, st.loss, st.failed))
                 ticket, self._next = (self._next, None) if self._next is not None else (self._body.next_ticket(), None)
         except GeneratorExit:
+            p, self._pending = self._pending, None
+            if p is not None and self._snapshot is not None and not p.vote.result().commit:
+                self._snapshot.restore()  # the model is left as the last committed step made it
             self._body.body_exited("loop body raised or exited early")
             engine.result()
             raise
@@ -256,6 +227,7 @@ class Job:
     def _arm(self, st: Step) -> None:
         """The step's shard is known: from here, completed gradient buckets start their all-reduce
         from the backward pass (the quorum's group is already open in the ticket's exchange)."""
+        self._settle(st, block=False)  # a guess whose verdict is in already: its buckets may start early
         b, ex, sh = self._buckets, st._ex, st._shard
         if b is not None and ex is not None and sh is not None and not st.local and sh[3]:
             b.arm(ex, sh[1] / sh[3], TailLayout(sh[3]).size)
@@ -264,6 +236,10 @@ class Job:
         """The vote: the gradient buckets ``* n_i/N`` (most already on the wire, started during
         backward), then the tail ``[coverage | loss * n_i/N]`` (train/step_buffer.py); summed
         over the quorum. On commit the ``.grad`` tensors already hold the reduced gradients."""
+        self._settle(st, block=True)
+        if st.failed:  # a guess that was wrong: nothing of it went on the wire
+            self._rollback(None)
+            return False
         self.faults.before_allreduce(st, time.monotonic() - st.started_s)
         compute_s = time.monotonic() - st.started_s  # a straggler's stretch counts: it is slow compute
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0.0)
@@ -291,7 +267,15 @@ class Job:
         t0 = time.monotonic()
         if carrier is None:
             ex.launch(tail, 0.0)  # from this thread too: the tail need not wait for the hand-over
-        vote = self._call(self._body.vote(self.engine.vote(st._a, ex, None, verify, compute_s), count))
+        if self._snapshot is not None and buckets is not None and self.engine.asks_next(st._a) >= 0:
+            vote, loss_now = self._vote_speculating(st, ex, verify, compute_s, count)
+            if vote is None:  # complete and covered: go on; the verdict is settled in the next step
+                st.committed, st.loss = True, loss_now
+                self._spans.span("allreduce", t0, step=st.number, quorum_id=st.quorum_id, commit=True,
+                                 speculative=True)
+                return True
+        else:
+            vote = self._call(self._body.vote(self.engine.vote(st._a, ex, None, verify, compute_s), count))
         if error:  # the coverage was withheld, so the step aborted everywhere; now say why
             if buckets is not None:
                 buckets.renew()
@@ -311,8 +295,59 @@ class Job:
         self._spans.span("allreduce", t0, step=st.number, quorum_id=st.quorum_id, commit=True)
         return True
 
-    def _rollback(self, rng: torch.Tensor) -> None:
-        torch.set_rng_state(rng)
+    def _vote_speculating(self, st: Step, ex: Any, verify: Any, compute_s: float,
+                          count: int) -> tuple[Vote | None, float | None]:
+        """The vote, handed to the loop; returns (None, global loss) as soon as the all-reduce has
+        completed with the batch covered exactly once and the state is snapshotted (the verdict
+        stays pending in ``self._pending``), else (the verdict, None) once it is in."""
+        early: concurrent.futures.Future[float | None] = concurrent.futures.Future()
+
+        def checked() -> tuple[bool, float]:  # on the loop, after the collectives, before the report
+            covered, loss = verify()
+            if covered:
+                settle_once(early, loss)
+            return covered, loss
+
+        vf = asyncio.run_coroutine_threadsafe(
+            self._body.vote(self.engine.vote(st._a, ex, None, checked, compute_s), count), self._loop)
+        vf.add_done_callback(lambda _f: settle_once(early, None))
+        loss = early.result()
+        if loss is None or self._snapshot is None or not self._snapshot.take():
+            return vf.result(), None
+        self._pending = Pending(st, vf, count)
+        return None, loss
+
+    def _settle(self, st: Step, block: bool) -> None:
+        """Settle the verdict ``st``'s guess was waiting on (not blocking: only if it is in)."""
+        p = st._guess
+        if p is None or (not block and not p.vote.done()):
+            return
+        st._guess = self._pending = None
+        v, prev = p.vote.result(), p.step
+        if v.commit and v.next is not None and same_body(v.next.assignment, st._a):
+            st._a, st._ex = v.next.assignment, v.next.exchange  # the guess was the grant
+            return
+        st._orphan = True
+        if v.commit:
+            st.failed = "the next step was granted differently than guessed: its body runs again"
+            if v.next is not None:
+                self._next = v.next  # handed, with the committed step's result, to run next
+            else:
+                self._body.body_done(BodyResult(True, p.samples, v.loss, ""))
+        else:
+            assert self._snapshot is not None
+            self._snapshot.restore()
+            prev.committed, prev.failed = False, v.reason or "step aborted"
+            st.failed = f"step {prev.number} was aborted after all ({prev.failed}): it runs again"
+            st._rng_back = p.rng
+            if self._buckets is not None:
+                self._buckets.renew()
+            self._body.body_done(BodyResult(False, 0, None, prev.failed))
+        self._spans.event("speculation_undone", step=prev.number, reason=st.failed)
+
+    def _rollback(self, rng: torch.Tensor | None) -> None:
+        if rng is not None:
+            torch.set_rng_state(rng)
         if self.model is not None:
             for p in self.model.parameters():
                 p.grad = None

@@ -183,14 +183,19 @@ class StepEngine:
         step or this worker writes a checkpoint after it (it would start late, and a peer already
         computing would wait for it): then it asks the normal way once it is ready.
         """
-        nxt = a.step + 1
-        ask_next = nxt if 0 <= nxt < self._total and not a.write_checkpoint and self.mode != "local-sgd" else -1
+        ask_next = self.asks_next(a)
         try:
             d = await self.agent.allreduce(a, ex, tail, verify, compute_s, ask_next)
         except VOTE_LOST as e:
             return Vote(False, f"no commit decision: {e}")
         nxt = await self._ready_next(a, ask_next) if d.commit and ask_next >= 0 else None
         return Vote(d.commit, d.reason or ("" if d.commit else "step aborted"), d.loss, nxt)
+
+    def asks_next(self, a: Assignment) -> int:
+        """The step whose quorum ``a``'s report asks for (the fast path), or -1: none after the
+        last step, none before a checkpoint this worker writes, none in local-sgd."""
+        nxt = a.step + 1
+        return nxt if 0 <= nxt < self._total and not a.write_checkpoint and self.mode != "local-sgd" else -1
 
     async def _ready_next(self, a: Assignment, step: int) -> Ticket | None:
         """The fast path's last hop: when the grant for ``step`` came right behind the commit and
