@@ -32,11 +32,11 @@ from phalanx.core.errors import ConfigError, FinalStateUnavailable
 from phalanx.train import host_memory, sharding
 from phalanx.train.faults_in_process import InProcessFaults
 from phalanx.train.grad_buckets import DEFAULT_BUCKET_BYTES, GradientBuckets, copy_back, coverage_tail, start_gradients
-from phalanx.train.thread_body import ThreadBody
 from phalanx.train.speculation import (DEFAULT_MAX_BYTES, Pending, StateSnapshot, same_body, setting_from_env,
                                        settle_once)
 from phalanx.train.step_buffer import TailLayout, expected_coverage
 from phalanx.train.step_engine import BodyResult, StepEngine, Ticket, Vote
+from phalanx.train.thread_body import ThreadBody
 from phalanx.train.torch_state import SpanLog, TorchState
 from phalanx.train.worker_agent import WorkerAgent
 
@@ -86,8 +86,9 @@ class Step:
 
         On a broken quorum the gradients are zeroed, the step is latched as failed (the tracked
         optimizer will not step) and the loop body will run again. Never raises for faults.
-        For a small tracked model the True may come before the verdict (train/speculation.py):
-        if that verdict is an abort, the model goes back and the next step's call returns False.
+        With ``PHALANX_SPECULATE=on`` and a small tracked model the True may come before the
+        verdict (train/speculation.py): if that verdict is an abort, the model and optimizer go
+        back and the next step's call returns False.
         """
         assert not self._reduced, "allreduce_gradients is called once per step"
         self._reduced = True
@@ -110,7 +111,7 @@ class Job:
         self._current: Step | None = None
         self._buckets: GradientBuckets | None = None
         self._next: Ticket | None = None  # handed over with the last vote (the fast path)
-        self._snapshot: StateSnapshot | None = None  # small models: speculate past the verdict
+        self._snapshot: StateSnapshot | None = None  # PHALANX_SPECULATE=on, small models: speculate
         self._pending: Pending | None = None  # the step whose verdict travels while a guess runs
         self.faults = InProcessFaults(self)
         self._spans = SpanLog(run_dir / "workers" / f"{worker_id}.jsonl", worker_id)
