@@ -26,4 +26,4 @@ def test_speculating_workers_survive_a_kill_and_a_freeze_and_stay_strict(tmp_pat
     s = train(tmp_path, plan, workers=3, steps=60, **PACE)
     assert_strict(s)
     assert s["steps_retried"] >= 1
-    assert _speculated(tmp_path / "run") > 60  # most steps of every worker went on before their verdict
+    assert _speculated(tmp_path / "run") > 60  # over a third of the 3 x 60 votes went on before their verdict

@@ -156,9 +156,10 @@ class Job:
         self._spans.event("host_memory", detail=host_memory.tune_for_parameters(model.parameters()))
         if overlap and self.mode != "local-sgd":
             self._buckets = GradientBuckets(list(model.parameters()), bucket_bytes)
-        fits = (setting_from_env() == "on" and self._buckets is not None
-                and StateSnapshot.fits(model, optimizer, DEFAULT_MAX_BYTES))
-        self._snapshot = StateSnapshot(model, optimizer, DEFAULT_MAX_BYTES) if fits and optimizer is not None else None
+        self._snapshot = None
+        if setting_from_env() == "on" and self._buckets is not None and optimizer is not None \
+                and StateSnapshot.fits(model, optimizer, DEFAULT_MAX_BYTES):
+            self._snapshot = StateSnapshot(model, optimizer, DEFAULT_MAX_BYTES)
         if optimizer is not None:
             original = optimizer.step
 
@@ -313,7 +314,8 @@ class Job:
             self._body.vote(self.engine.vote(st._a, ex, None, checked, compute_s), count), self._loop)
         vf.add_done_callback(lambda _f: settle_once(early, None))
         loss = early.result()
-        if loss is None or self._snapshot is None or not self._snapshot.take():
+        assert self._snapshot is not None, "only a job with a snapshot speculates"
+        if loss is None or not self._snapshot.take():
             return vf.result(), None
         self._pending = Pending(st, vf, count)
         return None, loss

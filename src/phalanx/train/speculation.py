@@ -67,7 +67,7 @@ class StateSnapshot:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        self.model, self.optimizer, self.max_bytes = model, optimizer, max_bytes
+        self.optimizer, self.max_bytes = optimizer, max_bytes
         self._params = list(model.parameters())
         self._bufs: list[torch.Tensor] = []
         self._live: list[torch.Tensor] = []  # what _bufs were copied from, in order
@@ -78,7 +78,7 @@ class StateSnapshot:
     def fits(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, max_bytes: int) -> bool:
         """Worth it: parameters plus (an Adam-like guess at, or the actual) optimizer state within
         ``max_bytes``, all on the CPU (a device copy would add a synchronisation)."""
-        if optimizer is None or max_bytes <= 0:
+        if optimizer is None:
             return False
         params = list(model.parameters())
         if any(p.device.type != "cpu" for p in params):
