@@ -26,7 +26,13 @@ def test_sigkill_mid_allreduce_is_survived_and_the_restarted_worker_heals(tmp_pa
     f = s["faults"][0]
     assert f["detected_after_s"] is not None and f["recovered_after_s"] is not None
     evs = events(tmp_path / "run")
-    assert any(e["event"] == "worker_restarted" and e["worker"] == "w1" for e in evs)
+    [exited] = [e for e in evs if e["event"] == "worker_exited" and e["worker"] == "w1" and e["exit_code"] == -9]
+    [restarted] = [e for e in evs if e["event"] == "worker_restarted" and e["worker"] == "w1"]
+    # the replacement started once the two survivors had committed without it (the restart hold),
+    # not while they redid the step, and within the hold's bound
+    recovered = [e for e in evs if e["event"] == "step_committed" and e["mono"] > exited["mono"]]
+    assert recovered and "w1" not in recovered[0]["members"]
+    assert recovered[0]["mono"] <= restarted["mono"] and 0 < restarted["held_s"] <= 0.5 + 0.06
     assert any(e["event"] == "worker_healed" and e["worker"] == "w1" for e in evs)
 
 

@@ -35,6 +35,7 @@ from phalanx.runtime.fault_injector import FaultInjector
 from phalanx.runtime.launcher_faults import CoordinatorHolder, LauncherFaults, split_plan
 from phalanx.runtime.netns import KernelFaults, NamespaceNetwork, NetworkSetupError
 from phalanx.runtime.progress import Progress
+from phalanx.runtime.restart_hold import RESTART_HOLD_MAX_S, RestartHold
 from phalanx.runtime.run_dir import is_phalanx_run
 from phalanx.runtime.supervisor import Supervisor
 from phalanx.transport.real_host import RealHost
@@ -68,6 +69,7 @@ class LaunchConfig:
     show_progress: bool = True
     network: str = "loopback"  # or "namespaces": one network namespace per worker (root only)
     commits_kept: int = CoordinatorConfig.commits_kept  # in memory; every commit is in RUN/commits.jsonl
+    restart_hold_s: float = RESTART_HOLD_MAX_S  # a replacement starts once the survivors commit, or after this
 
 
 @dataclass
@@ -334,6 +336,12 @@ async def _supervise(cfg: LaunchConfig, sup: Supervisor, holder: CoordinatorHold
                      injector: FaultInjector | None, progress: Progress, t0: float, on_event: Any,
                      own_task: asyncio.Future[Any] | None) -> tuple[bool, str]:
     stalled_since: float | None = None
+    hold: RestartHold[Any] = RestartHold(cfg.restart_hold_s)
+
+    def restart(w: Any, held_s: float) -> None:
+        sup.restart(w)
+        on_event({"t": now - t0, "mono": now, "node": "launcher", "event": "worker_restarted",
+                  "worker": w.worker_id, "restarts": w.restarts, "held_s": round(held_s, 4)})
     while True:
         await asyncio.sleep(0.05)
         now = time.monotonic()
@@ -350,9 +358,11 @@ async def _supervise(cfg: LaunchConfig, sup: Supervisor, holder: CoordinatorHold
             planned = injector.kill_restart.pop(w.index, None) if injector is not None else None
             w.departed = planned is False
             if planned is not False and sup.may_restart(w, planned is True):  # False: the plan keeps it down
-                sup.restart(w)
-                on_event({"t": now - t0, "mono": now, "node": "launcher", "event": "worker_restarted",
-                          "worker": w.worker_id, "restarts": w.restarts})
+                running = sum(1 for x in sup.workers if x.alive and not x.frozen)
+                if not hold.hold(w, now, coord.commits_total if coord else None, running, cfg.min_workers):
+                    restart(w, 0.0)
+        for w, held_s in hold.due(now, coord.commits_total if coord else None, not sup.any_running()):
+            restart(w, held_s)  # the survivors committed (or none is left running: nothing to wait for)
         late = ", ".join(w.worker_id for w in sup.not_joined())  # not started yet: neither exited nor finished
         if sup.all_finished():
             gone = ", ".join(w.worker_id for w in sup.workers if w.departed and not w.finished)
@@ -392,13 +402,10 @@ def _newest_checkpoint(cfg: LaunchConfig) -> tuple[str, int] | None:
 
 
 def _resume_point(cfg: LaunchConfig) -> tuple[str, int]:
-    from phalanx.checkpoint.durable import latest_checkpoint
-
-    found = latest_checkpoint(cfg.run_dir)
+    found = _newest_checkpoint(cfg)
     if found is None:
         raise JobFailed(f"--resume {cfg.run_dir}: no valid checkpoint found under {cfg.run_dir}/checkpoints")
-    path, step = found
-    return str(path), step
+    return found
 
 
 def write_metrics(run_dir: Path, commits: Iterable[CommitRecord], append: bool = False) -> None:

@@ -104,7 +104,7 @@ class Cluster:
     collective: CollectiveModel = field(default_factory=CollectiveModel)
     step_compute_s: float = 0.05  # compute of one step at the full world's share
     compute_jitter: float = 0.02  # relative, per worker per step
-    restart_delay_s: float = 2.0  # a killed worker's process restarts after this long
+    restart_delay_s: float = 2.0  # a killed worker's replacement joins after this long (a real launcher's hold included)
     restart_delays_s: tuple[float, ...] = ()  # the k-th restart takes the k-th of these (a real run's own)
     heal_load_s: float = 0.0  # a healed worker loads the received state for this long (deserialise, copy)
     detector: DetectorConfig = field(default_factory=DetectorConfig)
