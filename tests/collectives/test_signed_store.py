@@ -51,3 +51,39 @@ def test_gloo_forms_a_group_through_the_signed_store():
     outs = [p.communicate(timeout=60)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert all("[3.0, 3.0, 3.0]" in o for o in outs)
+
+
+# Rank 0 starts building quorum 1's group, whose rank 1 never arrives (a member that hangs in the
+# middle of the rendezvous, as a GIL hang does), then builds quorum 2's with a live peer.
+_STUCK_THEN_NEXT = """
+import asyncio, os, sys, time, torch
+from phalanx.collectives.process_group import TorchProcessGroupFactory
+rank, address = int(sys.argv[1]), sys.argv[2]
+async def main():
+    f = TorchProcessGroupFactory(address, b"token", backend="gloo", run_id="run")
+    if rank == 0:
+        stuck = asyncio.ensure_future(f.create(1, 0, 2, 20.0))
+        await asyncio.sleep(1.0)  # its rendezvous is waiting in the store for rank 1 by now
+        assert not stuck.done()
+    t0 = time.monotonic()
+    g = await f.create(2, rank, 2, 20.0)
+    print("built_s", time.monotonic() - t0, flush=True)
+    t = torch.ones(3) * (rank + 1)
+    await g.allreduce_sum(t, 10.0)
+    print(t.tolist(), flush=True)
+asyncio.run(main())
+os._exit(0)
+"""
+
+
+def test_a_group_build_stuck_on_a_hung_member_does_not_hold_up_the_next_quorums():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{master.port}"
+    procs = [subprocess.Popen([sys.executable, "-c", _STUCK_THEN_NEXT, str(r), address], stdout=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("[3.0, 3.0, 3.0]" in o for o in outs), outs
+    built = float(outs[0].split("built_s")[1].split()[0])
+    # on a store connection shared with the stuck build it waited for that build's 20 s deadline
+    assert built < 10.0, outs

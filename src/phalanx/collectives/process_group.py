@@ -104,6 +104,7 @@ class TorchProcessGroup:
         self._make_cuda = make_cuda
         self._cuda: Any = None
         self._lock = threading.Lock()  # the NCCL group is made once, from whichever thread asks first
+        self.store: Any = None  # the rendezvous store the group was built on (kept as long as it)
 
     async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
         await self.start_allreduce_sum(tensor).wait(timeout_s)
@@ -143,7 +144,7 @@ class TorchProcessGroup:
             del pg
             with self._lock:
                 if self._cuda is not None and self._cuda[1] == "nccl":
-                    self._graveyard.bury(self._cuda[0])
+                    self._graveyard.bury((self._cuda[0], self.store))  # NCCL may still read its store
                 self._cuda = None
 
 
@@ -260,27 +261,37 @@ class TorchProcessGroupFactory:
         self._nccl_ok = backend_for(backend, "cuda") == "nccl" and torch.cuda.is_available()
         self._dist = dist
         host, _, port = store_address.rpartition(":")
-        self._store = dist.TCPStore(host, int(port), is_master=False,
-                                    timeout=datetime.timedelta(seconds=connect_timeout_s))
+        self._connect = lambda: dist.TCPStore(host, int(port), is_master=False,
+                                              timeout=datetime.timedelta(seconds=connect_timeout_s))
+        self._token, self._run_id = token, run_id
+        self._connect()  # an unreachable store fails here, at join, not at the first quorum
         # Keys are namespaced by a secret derived from the cluster token, so a party without the
         # token cannot guess them to hijack rendezvous (the TCPStore itself is unauthenticated).
         self._namespace = hmac.new(token, b"phalanx-store", hashlib.sha256).hexdigest()[:16]
-        # values signed and bound to this job and (through the key) the quorum; kept referenced
-        # here: torch holds only the C++ half, and a collected Python store loses its methods
-        self._signed = signed_store(self._store, token, run_id)
         self._graveyard = Graveyard(hold_s=2 * 60.0)
+
+    def _store_for_group(self) -> Any:
+        """A store connection of the group's own, its values signed and bound to this job and
+        (through the key) the quorum. Own: a TCPStore client runs one request at a time, and a
+        build that waits on a member that hangs mid-rendezvous (a GIL hang, SIGSTOP) blocks its
+        connection until its deadline; on a shared one the next quorum's build waited behind it
+        (4.45 s in a demo run whose GIL hang landed during a group build). The group keeps it
+        referenced: torch holds only the C++ half, and a collected Python store loses its methods."""
+        return signed_store(self._connect(), self._token, self._run_id)
 
     async def create(self, quorum_id: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroup:
         if world_size == 1:
             return LocalProcessGroup(quorum_id)
         loop = asyncio.get_running_loop()
-        prefix = self._dist.PrefixStore(f"{self._namespace}/q{quorum_id}", self._signed)
         timeout = datetime.timedelta(seconds=timeout_s)
         result: asyncio.Future[Any] = loop.create_future()
+        stores: list[Any] = []
 
         def build() -> None:  # the constructor blocks until every rank has connected
-            before = native_threads()
             try:
+                stores.append(self._store_for_group())  # connects: off the event loop
+                prefix = self._dist.PrefixStore(f"{self._namespace}/q{quorum_id}", stores[0])
+                before = native_threads()
                 pg = self._dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
             except Exception as e:
                 loop.call_soon_threadsafe(_settle, result, None, e)
@@ -298,16 +309,18 @@ class TorchProcessGroupFactory:
 
         def make_cuda(device: Any) -> tuple[Any, str]:
             # on the first CUDA tensor: all ranks publish which GPU they hold, then all decide alike
-            prefix = self._dist.PrefixStore(f"{self._namespace}/q{quorum_id}/cuda", self._signed)
+            prefix = self._dist.PrefixStore(f"{self._namespace}/q{quorum_id}/cuda", stores[0])
             prefix.set(f"gpu/{rank}", _gpu_identity(device).encode())
             gpus = [bytes(prefix.get(f"gpu/{r}")).decode() for r in range(world_size)]
             if cuda_backend(gpus) == "gloo":
                 return pg, "gloo"
-            nccl_prefix = self._dist.PrefixStore(f"{self._namespace}/q{quorum_id}/nccl", self._signed)
+            nccl_prefix = self._dist.PrefixStore(f"{self._namespace}/q{quorum_id}/nccl", stores[0])
             return self._dist.ProcessGroupNCCL(nccl_prefix, rank, world_size, self._nccl_options(timeout)), "nccl"
 
-        return TorchProcessGroup(pg, quorum_id, rank, world_size, self._graveyard, make_cuda if self._nccl_ok else None,
-                                 threads)
+        group = TorchProcessGroup(pg, quorum_id, rank, world_size, self._graveyard,
+                                  make_cuda if self._nccl_ok else None, threads)
+        group.store = stores[0]  # referenced as long as the group (see _store_for_group)
+        return group
 
     def _nccl_options(self, timeout: datetime.timedelta) -> Any:
         opts = self._dist.ProcessGroupNCCL.Options()
