@@ -53,6 +53,37 @@ def test_quorum_decisions(name, now, members, view, expect):
         assert d.step == view.cluster_step + 1
 
 
+BROKEN = QuorumView(cluster_step=4, current_id=7, current_members=("a", "b", "c"), current_intact=False,
+                    checkpoint_step=-1)
+
+
+@pytest.mark.parametrize("name, now, members, view, cfg, expect", [
+    ("a recovery forms without the member that must heal first",
+     1.0, [m("a"), m("b"), m("d", since=0.5, committed=-1, state=False)], BROKEN, CFG, (("a", "b"), {})),
+    ("a member back from a freeze (behind, with state) waits for the next formation too",
+     1.0, [m("a"), m("b"), m("c", since=0.5, committed=3)], BROKEN, CFG, (("a", "b"), {})),
+    ("the next formation, after the survivors commit, takes it in with its heal",
+     1.0, [m("a", committed=5), m("b", committed=5), m("d", since=0.5, committed=-1, state=False)],
+     QuorumView(5, 8, ("a", "b"), True, -1), CFG, (("a", "b", "d"), {"d": "a"})),
+    ("not deferred past the bound (quorums that keep breaking)",
+     6.0, [m("a"), m("b"), m("d", since=0.5, committed=-1, state=False)], BROKEN, CFG,
+     (("a", "b", "d"), {"d": "a"})),
+    ("not deferred when the survivors alone are too few for a quorum",
+     1.0, [m("a"), m("d", since=0.5, committed=-1, state=False)], BROKEN,
+     QuorumConfig(min_workers=2, join_timeout_s=0.5), (("a", "d"), {"d": "a"})),
+    ("not deferred when the setting is off (the coordinator turns it off once the job is over)",
+     1.0, [m("a"), m("b"), m("d", since=0.5, committed=-1, state=False)], BROKEN,
+     QuorumConfig(min_workers=1, join_timeout_s=0.5, defer_joiners_s=0.0), (("a", "b", "d"), {"d": "a"})),
+    ("local-sgd merges stale state in: a member with any state is not deferred",
+     1.0, [m("a"), m("b"), m("c", since=0.5, committed=3)], BROKEN,
+     QuorumConfig(min_workers=1, join_timeout_s=0.5, merge_stale=True), (("a", "b", "c"), {})),
+])
+def test_a_recovery_defers_members_that_must_heal(name, now, members, view, cfg, expect):
+    d = decide_quorum(now, members, view, cfg)
+    assert d.action is Action.FORM, (name, d.reason)
+    assert (d.members, d.heal_from) == expect, name
+
+
 def test_quorum_ids_strictly_increase_across_membership_changes():
     view = STEADY
     last = view.current_id

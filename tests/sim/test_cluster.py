@@ -149,3 +149,22 @@ def test_a_schedule_that_kills_every_holder_of_the_state_is_an_expected_stop_not
     # one holder left (w1 killed while w0 is alive and current) is no excuse: it must go on
     r2 = run_schedule(80013, 2, 40, [{"kind": "kill", "at_step": 11, "worker": 1}])
     assert r2.ok and r2.summary["all_state_lost"] is None and not expected_stop(r2)
+
+
+def test_a_recovery_does_not_wait_for_a_returning_workers_heal():
+    """w1 is killed and comes back (2 s later) while w2 is frozen: the quorum that redoes the
+    step after w2's abort is formed from the members that hold the state, and w1 heals into the
+    next one, right after their commit. The production coordinator's policy, in the simulator."""
+    plan = _plan('[[fault]]\nkind = "kill"\nworker = 1\nat_step = 10\nrestart = true\n'
+                 '[[fault]]\nkind = "freeze"\nworker = 2\nat_s = 2.0\nfor_s = 2.0\n')
+    r = Cluster(workers=4, steps=120, seed=11, plan=plan).run()
+    _strict(r)
+    ev = r.events
+    joined = next(e for e in ev if e["event"] == "worker_joined" and e["worker"] == "w1" and e["t"] > 0.5)
+    aborted = next(e for e in ev if e["event"] == "step_aborted" and "w2" in e["reason"])
+    assert joined["t"] < aborted["t"], "w1 is back and asking while the frozen w2 holds up the step"
+    formed = [e for e in ev if e["event"] == "quorum_formed" and e["t"] >= aborted["t"]]
+    assert formed[0]["members"] == ["w0", "w3"] and "healing" not in formed[0]["reason"]
+    assert formed[1]["members"] == ["w0", "w1", "w3"] and "healing ['w1']" in formed[1]["reason"]
+    between = [e for e in ev if e["event"] == "step_committed" and formed[0]["t"] <= e["t"] <= formed[1]["t"]]
+    assert between and between[0]["members"] == ["w0", "w3"], "the survivors committed before w1 was taken in"

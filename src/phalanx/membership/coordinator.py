@@ -309,7 +309,7 @@ class Coordinator(WorkerMessages):
                           self._awaiting_holders(now))
         # once the job is over a late worker adopts the final state, in every mode (local-sgd too:
         # it does not merge its stale parameters into a finished job)
-        qcfg = replace(self.cfg.quorum, merge_stale=False) if finished else self.cfg.quorum
+        qcfg = replace(self.cfg.quorum, merge_stale=False, defer_joiners_s=0.0) if finished else self.cfg.quorum
         d = decide_quorum(now, views, view, qcfg)
         if d.action is Action.STALL and finished:
             self._release_late_workers(d.reason)

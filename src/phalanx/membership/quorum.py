@@ -52,6 +52,10 @@ class QuorumConfig:
     join_timeout_s: float = 0.5  # how long a ready quorum waits for a connected worker not yet asking
     # local-sgd: a member holding any state merges in at the sync instead of being healed over
     merge_stale: bool = False
+    # A broken quorum's recovery forms with the members that hold the step: a member that must
+    # heal first (a restarted or returning worker) joins at the next formation, unless it has
+    # waited this long (0: never deferred)
+    defer_joiners_s: float = 5.0
 
 
 class Action(Enum):
@@ -92,13 +96,29 @@ def decide_quorum(now: float, members: Sequence[MemberView], view: QuorumView, c
         return QuorumDecision(Action.WAIT, f"waiting up to {cfg.join_timeout_s:.1f} s for {names}")
     if len(waiting) < cfg.min_workers:
         return QuorumDecision(Action.WAIT, f"{len(waiting)} workers ready, {cfg.min_workers} required")
+    if cfg.defer_joiners_s > 0 and view.current_id > 0 and not view.current_intact:
+        # A recovery (the last quorum lost a member or aborted its step): the survivors redo the
+        # step now, and a member that would first need a heal (its state sent, loaded, and the
+        # group built with it) joins at the next formation, which follows their commit. Its heal
+        # then delays no recovery; it waits one step longer. Bounded: after defer_joiners_s of
+        # waiting (quorums that keep breaking) it is not deferred again.
+        ready = [m for m in waiting if _holds_step(m, view, cfg.merge_stale)
+                 or now - m.waiting_since_s >= cfg.defer_joiners_s]
+        if len(ready) >= cfg.min_workers and any(_holds_step(m, view, cfg.merge_stale) for m in ready):
+            waiting = ready
     return _form(waiting, view, cfg.merge_stale)
+
+
+def _holds_step(m: MemberView, view: QuorumView, merge_stale: bool) -> bool:
+    """``m`` can take part without a heal: it holds the last committed step (or, merging stale
+    state in local-sgd, any state)."""
+    return m.has_state and (merge_stale or m.last_committed_step == view.cluster_step)
 
 
 def _form(waiting: list[MemberView], view: QuorumView, merge_stale: bool = False) -> QuorumDecision:
     step = view.cluster_step + 1
     ids = tuple(m.worker_id for m in waiting)
-    current = [m for m in waiting if m.has_state and (merge_stale or m.last_committed_step == view.cluster_step)]
+    current = [m for m in waiting if _holds_step(m, view, merge_stale)]
     restore = ""
     if view.cluster_step == -1 and not current:
         # Fresh start: the first member's initial state is the truth everyone copies.
