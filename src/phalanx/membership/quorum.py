@@ -90,7 +90,14 @@ def decide_quorum(now: float, members: Sequence[MemberView], view: QuorumView, c
         names = ", ".join(view.awaiting_holders)
         return QuorumDecision(Action.WAIT, f"coordinator restarted: waiting up to {cfg.rejoin_wait_s:g} s for "
                               f"{names}, members of the last recorded commit, to reconnect")
-    not_asking = [m for m in healthy if not m.waiting]
+    # Wait a little for a member of the current quorum that has not asked yet (still finishing its
+    # step, or its rollback); a newer coordinator, which formed nothing yet, waits for everyone
+    # connected. A connected worker outside the quorum that has not asked (a replacement still
+    # setting up after phalanx.join()) holds nobody up: it joins at the formation after it asks.
+    # (It used to: every step waited join_timeout_s for it, 0.03 -> 0.55 s while a replacement
+    # loaded its data for 2 s.)
+    current = set(view.current_members)
+    not_asking = [m for m in healthy if not m.waiting and (not view.current_id or m.worker_id in current)]
     if not_asking and now - first_ask < cfg.join_timeout_s:
         names = ", ".join(m.worker_id for m in not_asking)
         return QuorumDecision(Action.WAIT, f"waiting up to {cfg.join_timeout_s:.1f} s for {names}")
