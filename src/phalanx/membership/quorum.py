@@ -111,9 +111,9 @@ def decide_quorum(now: float, members: Sequence[MemberView], view: QuorumView, c
         # group built with it) joins at the next formation, which follows their commit. Its heal
         # then delays no recovery; it waits one step longer. Bounded: after defer_joiners_s of
         # waiting (quorums that keep breaking) it is not deferred again.
-        ready = [m for m in waiting if _holds_step(m, view, cfg.merge_stale)
-                 or now - m.waiting_since_s >= cfg.defer_joiners_s]
-        if len(ready) >= cfg.min_workers and any(_holds_step(m, view, cfg.merge_stale) for m in ready):
+        holders = {m.worker_id for m in waiting if _holds_step(m, view, cfg.merge_stale)}
+        ready = [m for m in waiting if m.worker_id in holders or now - m.waiting_since_s >= cfg.defer_joiners_s]
+        if holders and len(ready) >= cfg.min_workers:
             waiting = ready
     return _form(waiting, view, cfg.merge_stale)
 
