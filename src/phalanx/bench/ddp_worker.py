@@ -52,9 +52,10 @@ def main() -> None:
     if malloc == "tuned":
         host_memory.tune_for_parameters(w.model.parameters())
     model = DistributedDataParallel(w.model)
-    marks = []
+    marks, cpu = [], []
     for step in range(steps):
         marks.append(time.perf_counter())  # loop top to loop top: everything a step costs
+        cpu.append(time.process_time())  # this process's CPU, every thread (Gloo's too)
         idx = sharding.shard(step, w.dataset_size, w.global_batch_size, 0, rank, world)
         x, y = w.batch(idx)
         loss = w.loss(model(x), y)
@@ -62,6 +63,9 @@ def main() -> None:
         w.optimizer.step()
         w.optimizer.zero_grad()
     marks.append(time.perf_counter())
+    cpu.append(time.process_time())
+    with open(f"{out}.cpu{rank}", "w") as f:
+        json.dump({"cpu_s": [b - a for a, b in zip(cpu, cpu[1:])]}, f)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"step_s": [b - a for a, b in zip(marks, marks[1:])], "parameters": w.parameters,

@@ -12,7 +12,10 @@ Both sides run the same model, batches and optimizer, one thread per process. A 
 cluster's: DDP's rank-0 loop (loop top to loop top; DDP's ranks move in lockstep) and phalanx's
 commit-to-commit interval, median after a warm-up. Each repeat
 runs the three systems back to back in a rotating order, so the machine's noise hits all of them;
-a ratio is phalanx / DDP within one repeat, and every pair is reported.
+a ratio is phalanx / DDP within one repeat, and every pair is reported. A second table gives the
+CPU a step costs the whole job (every process and thread, the coordinator's launcher included;
+``cpu_per_step``): where the step's ratio is above the CPU's, the rest is time the job's cores
+waited on the step's critical path (the verdict's round trip), not work.
 
 Both sides' processes get the same glibc malloc thresholds (train/host_memory.py: ``job.track()``
 sets them for phalanx's workers, the DDP worker sets the same), so the ratio is the protocols' cost.
@@ -35,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,7 +65,8 @@ FAULTS = {
 
 
 def run_ddp(workers: int, steps: int, workload: str = "charlm", malloc: str = "tuned",
-            sched: str = "tuned") -> list[float]:
+            sched: str = "tuned") -> tuple[list[float], float]:
+    """Rank 0's step times, and the CPU a step costs (every rank's, summed; ``cpu_per_step``)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -73,7 +78,52 @@ def run_ddp(workers: int, steps: int, workload: str = "charlm", malloc: str = "t
         for p in procs:
             if p.wait(timeout=900) != 0:
                 raise RuntimeError(f"DDP worker exited with {p.returncode}")
-        return json.loads(out.read_text())["step_s"]
+        cpu = [json.loads(Path(f"{out}.cpu{r}").read_text())["cpu_s"] for r in range(workers)]
+        return json.loads(out.read_text())["step_s"], cpu_per_step(cpu)
+
+
+def cpu_per_step(per_worker: list[list[float]], launcher_s: float = 0.0) -> float:
+    """The CPU seconds one step costs the whole job: each worker process's mean over its steps
+    after the warm-up (every thread: training, control, Gloo's), summed, plus the launcher's
+    (phalanx's coordinator) per commit. On a box with fewer cores than busy threads a step's time
+    follows this; where it does not, the rest is waiting (cores idle on the step's critical path)."""
+    means = [statistics.fmean(xs[WARMUP_STEPS:]) for xs in per_worker if len(xs) > WARMUP_STEPS]
+    return sum(means) + launcher_s
+
+
+class LauncherCpu:
+    """This process's CPU per commit while it runs a job's coordinator (``launch`` runs it here):
+    sampled every 0.1 s against the count of ``RUN/commits.jsonl``, from the warm-up's last commit
+    to the last sample before the job ended."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self._log, self._stop = run_dir / "commits.jsonl", threading.Event()
+        self._first: tuple[int, float] | None = None
+        self._last: tuple[int, float] | None = None
+        self._thread = threading.Thread(target=self._sample, name="bench-launcher-cpu", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        seen, offset = 0, 0
+        while not self._stop.wait(0.1):
+            try:
+                with open(self._log, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                continue
+            seen, offset = seen + chunk.count(b"\n"), offset + len(chunk)
+            sample = (seen, time.process_time())
+            if self._first is None and seen >= WARMUP_STEPS:
+                self._first = sample
+            self._last = sample
+
+    def per_commit(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        if self._first is None or self._last is None or self._last[0] <= self._first[0]:
+            return 0.0
+        return (self._last[1] - self._first[1]) / (self._last[0] - self._first[0])
 
 
 def run_phalanx(workers: int, steps: int, run_dir: Path, plan_text: str = "", workload: str = "",
@@ -90,12 +140,18 @@ def run_phalanx(workers: int, steps: int, run_dir: Path, plan_text: str = "", wo
     return res
 
 
-def _phalanx_step_s(workers: int, steps: int, run_dir: Path, workload: str, mode: str) -> tuple[list[float], int]:
+def _phalanx_step_s(workers: int, steps: int, run_dir: Path, workload: str,
+                    mode: str) -> tuple[list[float], int, float]:
     """The cluster's step times (commit to commit, the coordinator's record: what DDP's rank-0 loop
     time is for DDP; a worker's own loop can skip steps in available mode when it falls behind and
-    heals), and the steps retried."""
-    res = run_phalanx(workers, steps, run_dir, workload=workload, mode=mode)
-    return [c.step_s for c in res.commits], res.steps_retried
+    heals), the steps retried, and the CPU a step costs (``cpu_per_step``)."""
+    launcher = LauncherCpu(run_dir)
+    try:
+        res = run_phalanx(workers, steps, run_dir, workload=workload, mode=mode)
+    finally:
+        launcher_s = launcher.per_commit()
+    cpu = [json.loads(f.read_text()).get("cpu_s", []) for f in sorted((run_dir / "workers").glob("*.steps.json"))]
+    return [c.step_s for c in res.commits], res.steps_retried, cpu_per_step(cpu, launcher_s)
 
 
 def _spread(xs: list[float]) -> str:
@@ -119,6 +175,7 @@ def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: C
     for name in workloads:
         for n in worker_counts:
             med: dict[str, list[float]] = {s: [] for s in systems}
+            cpu: dict[str, list[float]] = {s: [] for s in systems}  # CPU seconds a step, all processes
             retries: dict[str, list[int]] = {s: [] for s in PHALANX_SYSTEMS}
             for r in range(repeats):
                 k = r % len(systems)
@@ -128,17 +185,21 @@ def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: C
                     con.print(f"[{done}/{total}] {name}, {n} workers, repeat {r + 1}: {system}")
                     steps = STEPS.get(name, 40)
                     if system in DDP_SETUPS:
-                        step_s = run_ddp(n, steps, name, *DDP_SETUPS[system])
+                        step_s, cpu_s = run_ddp(n, steps, name, *DDP_SETUPS[system])
                     else:
-                        step_s, retried = _phalanx_step_s(n, steps, tmp / f"{name}-{n}-{system}-{r}", name, system)
+                        step_s, retried, cpu_s = _phalanx_step_s(n, steps, tmp / f"{name}-{n}-{system}-{r}", name,
+                                                                 system)
                         retries[system].append(retried)
                     med[system].append(statistics.median(step_s[WARMUP_STEPS:]))
-            row: dict[str, Any] = {"workload": name, "workers": n, "median_step_s": med, "steps_retried": retries}
+                    cpu[system].append(cpu_s)
+            row: dict[str, Any] = {"workload": name, "workers": n, "median_step_s": med, "cpu_per_step_s": cpu,
+                                   "steps_retried": retries}
             for system, peer in _ratio_pairs(systems):
-                ratios = [p / d for p, d in zip(med[system], med[peer])]
                 key = system if peer == "ddp" else f"{system}_vs_{peer}"
-                row[f"{key}_ratios"] = ratios
-                row[f"{key}_ratio_median"] = statistics.median(ratios)
+                for what, values in (("", med), ("cpu_", cpu)):
+                    ratios = [p / d for p, d in zip(values[system], values[peer])]
+                    row[f"{key}_{what}ratios"] = ratios
+                    row[f"{key}_{what}ratio_median"] = statistics.median(ratios)
             rows.append(row)
             if on_row is not None:
                 on_row(rows)
@@ -153,6 +214,39 @@ def fault_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         xs = [float(r[k]) if r.get(k) is not None else float("inf") for r in runs]
         out[k] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
     return out
+
+
+def _print_tables(rows: list[dict[str, Any]], systems: tuple[str, ...], faults: dict[str, Any]) -> None:
+    """The step table, the CPU table and the faults' detection and recovery."""
+    t = Table(title="phalanx vs torch DDP (Gloo): median step, ratio per alternating pair")
+    pairs = _ratio_pairs(systems)
+    for col in ("workload", "workers", *(f"{s} ms" for s in systems), *(f"{s} / {p}" for s, p in pairs)):
+        t.add_column(col, no_wrap=True)
+    for row in rows:
+        m = row["median_step_s"]
+        keys = [s if p == "ddp" else f"{s}_vs_{p}" for s, p in pairs]
+        t.add_row(row["workload"], str(row["workers"]),
+                  *(f"{statistics.median(m[s]) * 1000:.1f}" for s in systems),
+                  *(f"{row[k + '_ratio_median']:.2f} ({_spread(row[k + '_ratios'])})" for k in keys))
+    Console(width=max(Console().width, 240)).print(t)
+    ct = Table(title="CPU a step costs the whole job (all processes, every thread): median, ratio per pair")
+    for col in ("workload", "workers", *(f"{s} cpu ms" for s in systems), *(f"{s} / {p}" for s, p in pairs)):
+        ct.add_column(col, no_wrap=True)
+    for row in rows:
+        c = row["cpu_per_step_s"]
+        keys = [s if p == "ddp" else f"{s}_vs_{p}" for s, p in pairs]
+        ct.add_row(row["workload"], str(row["workers"]), *(f"{statistics.median(c[s]) * 1000:.1f}" for s in systems),
+                   *(f"{row[k + '_cpu_ratio_median']:.2f} ({_spread(row[k + '_cpu_ratios'])})" for k in keys))
+    Console(width=max(Console().width, 240)).print(ct)
+    if faults:
+        ft = Table(title="detection and recovery (4 workers, bundled model): median (range)")
+        ft.add_column("fault")
+        ft.add_column("detected after")
+        ft.add_column("recovered after")
+        for kind, f in faults.items():
+            ft.add_row(kind, *(f"{f[k]['median']:.3f} s ({f[k]['min']:.3f}-{f[k]['max']:.3f}, {len(f['runs'])} runs)"
+                               for k in ("detected_after_s", "recovered_after_s")))
+        Console().print(ft)
 
 
 def main() -> int:
@@ -196,26 +290,7 @@ def main() -> int:
     result = {"command": "python -m phalanx.bench training " + " ".join(sys.argv[1:]), "repeats": args.repeats,
               "warmup_steps": WARMUP_STEPS, "rows": rows, "faults": faults, "unix_s": time.time()}
     out.write_text(json.dumps(result, indent=2))
-    t = Table(title="phalanx vs torch DDP (Gloo): median step, ratio per alternating pair")
-    pairs = _ratio_pairs(systems)
-    for col in ("workload", "workers", *(f"{s} ms" for s in systems), *(f"{s} / {p}" for s, p in pairs)):
-        t.add_column(col, no_wrap=True)
-    for row in rows:
-        m = row["median_step_s"]
-        keys = [s if p == "ddp" else f"{s}_vs_{p}" for s, p in pairs]
-        t.add_row(row["workload"], str(row["workers"]),
-                  *(f"{statistics.median(m[s]) * 1000:.1f}" for s in systems),
-                  *(f"{row[k + '_ratio_median']:.2f} ({_spread(row[k + '_ratios'])})" for k in keys))
-    Console(width=max(Console().width, 240)).print(t)
-    if faults:
-        ft = Table(title="detection and recovery (4 workers, bundled model): median (range)")
-        ft.add_column("fault")
-        ft.add_column("detected after")
-        ft.add_column("recovered after")
-        for kind, f in faults.items():
-            ft.add_row(kind, *(f"{f[k]['median']:.3f} s ({f[k]['min']:.3f}-{f[k]['max']:.3f}, {len(f['runs'])} runs)"
-                               for k in ("detected_after_s", "recovered_after_s")))
-        Console().print(ft)
+    _print_tables(rows, systems, faults)
     print(f"wrote {out}")
     return 0
 
