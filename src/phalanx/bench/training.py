@@ -15,7 +15,7 @@ runs the three systems back to back in a rotating order, so the machine's noise 
 a ratio is phalanx / DDP within one repeat, and every pair is reported. A second table gives the
 CPU a step costs the whole job (every process and thread, the coordinator's launcher included;
 ``cpu_per_step``): where the step's ratio is above the CPU's, the rest is time the job's cores
-waited on the step's critical path (the verdict's round trip), not work.
+waited on the step's critical path, not work.
 
 Both sides' processes get the same glibc malloc thresholds (train/host_memory.py: ``job.track()``
 sets them for phalanx's workers, the DDP worker sets the same), so the ratio is the protocols' cost.
@@ -167,6 +167,11 @@ def _ratio_pairs(systems: tuple[str, ...]) -> list[tuple[str, str]]:
     return pairs
 
 
+def _ratio_key(system: str, peer: str) -> str:
+    """The row's key prefix for ``system`` / ``peer``: ``strict``, ``strict_vs_ddp-os-sched``."""
+    return system if peer == "ddp" else f"{system}_vs_{peer}"
+
+
 def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: Console, tmp: Path,
             on_row: Any = None, systems: tuple[str, ...] = SYSTEMS) -> list[dict[str, Any]]:
     rows = []
@@ -195,7 +200,7 @@ def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: C
             row: dict[str, Any] = {"workload": name, "workers": n, "median_step_s": med, "cpu_per_step_s": cpu,
                                    "steps_retried": retries}
             for system, peer in _ratio_pairs(systems):
-                key = system if peer == "ddp" else f"{system}_vs_{peer}"
+                key = _ratio_key(system, peer)
                 for what, values in (("", med), ("cpu_", cpu)):
                     ratios = [p / d for p, d in zip(values[system], values[peer])]
                     row[f"{key}_{what}ratios"] = ratios
@@ -216,28 +221,28 @@ def fault_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _print_tables(rows: list[dict[str, Any]], systems: tuple[str, ...], faults: dict[str, Any]) -> None:
-    """The step table, the CPU table and the faults' detection and recovery."""
-    t = Table(title="phalanx vs torch DDP (Gloo): median step, ratio per alternating pair")
+def _ratio_table(rows: list[dict[str, Any]], systems: tuple[str, ...], title: str, values: str, prefix: str,
+                 unit: str) -> None:
+    """One table: each system's median of ``row[values]`` (seconds, shown in ms) and each ratio's
+    median with its range (``row[key + "_" + prefix + "ratios"]``)."""
     pairs = _ratio_pairs(systems)
-    for col in ("workload", "workers", *(f"{s} ms" for s in systems), *(f"{s} / {p}" for s, p in pairs)):
+    t = Table(title=title)
+    for col in ("workload", "workers", *(f"{s} {unit}" for s in systems), *(f"{s} / {p}" for s, p in pairs)):
         t.add_column(col, no_wrap=True)
     for row in rows:
-        m = row["median_step_s"]
-        keys = [s if p == "ddp" else f"{s}_vs_{p}" for s, p in pairs]
+        keys = [f"{_ratio_key(s, p)}_{prefix}" for s, p in pairs]
         t.add_row(row["workload"], str(row["workers"]),
-                  *(f"{statistics.median(m[s]) * 1000:.1f}" for s in systems),
-                  *(f"{row[k + '_ratio_median']:.2f} ({_spread(row[k + '_ratios'])})" for k in keys))
+                  *(f"{statistics.median(row[values][s]) * 1000:.1f}" for s in systems),
+                  *(f"{row[k + 'ratio_median']:.2f} ({_spread(row[k + 'ratios'])})" for k in keys))
     Console(width=max(Console().width, 240)).print(t)
-    ct = Table(title="CPU a step costs the whole job (all processes, every thread): median, ratio per pair")
-    for col in ("workload", "workers", *(f"{s} cpu ms" for s in systems), *(f"{s} / {p}" for s, p in pairs)):
-        ct.add_column(col, no_wrap=True)
-    for row in rows:
-        c = row["cpu_per_step_s"]
-        keys = [s if p == "ddp" else f"{s}_vs_{p}" for s, p in pairs]
-        ct.add_row(row["workload"], str(row["workers"]), *(f"{statistics.median(c[s]) * 1000:.1f}" for s in systems),
-                   *(f"{row[k + '_cpu_ratio_median']:.2f} ({_spread(row[k + '_cpu_ratios'])})" for k in keys))
-    Console(width=max(Console().width, 240)).print(ct)
+
+
+def _print_tables(rows: list[dict[str, Any]], systems: tuple[str, ...], faults: dict[str, Any]) -> None:
+    """The step table, the CPU table and the faults' detection and recovery."""
+    _ratio_table(rows, systems, "phalanx vs torch DDP (Gloo): median step, ratio per alternating pair",
+                 "median_step_s", "", "ms")
+    _ratio_table(rows, systems, "CPU a step costs the whole job (all processes, every thread): median, ratio per pair",
+                 "cpu_per_step_s", "cpu_", "cpu ms")
     if faults:
         ft = Table(title="detection and recovery (4 workers, bundled model): median (range)")
         ft.add_column("fault")
