@@ -1,6 +1,7 @@
 """Real worker processes on loopback, real SIGKILL / SIGSTOP / held GIL. Each test ends with the
 strict-equivalence and exactly-once checks against the single-process reference."""
 
+import json
 
 from tests.integration.conftest import assert_strict, events, train
 
@@ -23,6 +24,10 @@ def test_sigkill_mid_allreduce_is_survived_and_the_restarted_worker_heals(tmp_pa
     plan = '[[fault]]\nkind = "kill"\nworker = 1\nat_step = 12\nphase = "allreduce"\nrestart = true\n'
     s = train(tmp_path, plan, workers=3, steps=70, **PACE)
     assert_strict(s)
+    # no network fault in the plan: the workers ran without the network-fault seams
+    seams = [json.loads(x) for x in (tmp_path / "run" / "workers" / "w0.jsonl").read_text().splitlines()
+             if '"network_seams"' in x]
+    assert seams and seams[0]["detail"].startswith("off")
     f = s["faults"][0]
     assert f["detected_after_s"] is not None and f["recovered_after_s"] is not None
     evs = events(tmp_path / "run")

@@ -38,6 +38,7 @@ def test_the_cut_off_minority_never_commits_then_heals_from_the_majority_and_rej
     evs = events(run)
     begin, end = _window(_worker_log(run, "w2"), "partition")
     assert end - begin >= 2.9
+    assert [r["detail"] for r in _worker_log(run, "w2") if r.get("event") == "network_seams"][:1] == ["on"]
 
     # (a) the minority side never commits during the partition: not in its own log...
     # (a decision for a step before the cut's may be logged a little later, when its body ends)

@@ -72,3 +72,48 @@ def test_quorum_assignments_name_heal_sources_and_quorum_members():
         QuorumAssigned(step=6, quorum_id=3, members=[], rank=1),
         QuorumAssigned(step=6, quorum_id=4, members=["w1", "w2"], rank=1)]))
     assert net.members_of(3) == ("w0", "w2") and net.members_of(4) == ("w1", "w2")
+
+
+# ---- which workers get the seams at all ----
+def test_the_launcher_leaves_the_seams_off_only_when_nothing_can_send_a_network_fault():
+    from phalanx.faults.plan import parse_fault_plan
+    from phalanx.runtime.launcher_faults import network_seams_env
+
+    kill = parse_fault_plan('[[fault]]\nkind = "kill"\nworker = 1\nat_step = 3\n', "<t>")
+    latency = parse_fault_plan('[[fault]]\nkind = "latency"\nmean_ms = 5\nat_step = 3\n', "<t>")
+    partition = parse_fault_plan('[[fault]]\nkind = "partition"\ngroups = [[0], [1]]\nat_step = 3\nfor_s = 1.0\n',
+                                 "<t>")
+    assert network_seams_env(kill, "") == {"PHALANX_NETWORK_FAULTS": "0"}
+    assert network_seams_env(latency, "") == {"PHALANX_NETWORK_FAULTS": "1"}
+    assert network_seams_env(partition, "") == {"PHALANX_NETWORK_FAULTS": "1"}
+    # a remote coordinator may carry another launcher's faults: keep them
+    assert network_seams_env(kill, "10.0.0.1:7000") == {"PHALANX_NETWORK_FAULTS": "1"}
+
+
+def test_the_worker_setting_defaults_on_and_a_bad_value_is_named():
+    import pytest
+
+    from phalanx.core.errors import ConfigError
+    from phalanx.train.network_faults import NoNetworkFaults, network_faults_for, network_faults_setting
+
+    assert network_faults_setting({}) is True  # started by hand or by another tool: any fault may come
+    assert network_faults_setting({"PHALANX_NETWORK_FAULTS": "0"}) is False
+    with pytest.raises(ConfigError, match="PHALANX_NETWORK_FAULTS must be 0 or 1, got 'yes'"):
+        network_faults_setting({"PHALANX_NETWORK_FAULTS": "yes"})
+    host = FakeHost("w0")
+    off = network_faults_for(False, host, "127.0.0.1:1", random.Random(0))
+    assert isinstance(off, NoNetworkFaults) and host.transport is not None and off.wrap(host) is host
+    on = network_faults_for(True, host, "127.0.0.1:1", random.Random(0))
+    assert host.transport is on.transport  # the FaultyTransport sits in front
+
+
+def test_without_seams_a_network_fault_is_logged_not_applied_and_others_still_route():
+    from phalanx.train.network_faults import NoNetworkFaults
+
+    net, logged, other = NoNetworkFaults(), [], []
+    net.log = lambda event, **fields: logged.append((event, fields))
+    route = net.route(other.append)
+    route(InjectFault(kind="latency", mean_ms=5.0))
+    route(InjectFault(kind="freeze", for_s=1.0))
+    assert [e for e, _ in logged] == ["network_fault_ignored"] and "PHALANX_NETWORK_FAULTS=0" in logged[0][1]["reason"]
+    assert [f.kind for f in other] == ["freeze"]

@@ -32,7 +32,7 @@ from phalanx.membership.failure_detector import DetectorConfig
 from phalanx.membership.quorum import QuorumConfig
 from phalanx.runtime.event_log import EventLog
 from phalanx.runtime.fault_injector import FaultInjector
-from phalanx.runtime.launcher_faults import CoordinatorHolder, LauncherFaults, split_plan
+from phalanx.runtime.launcher_faults import CoordinatorHolder, LauncherFaults, network_seams_env, split_plan
 from phalanx.runtime.netns import KernelFaults, NamespaceNetwork, NetworkSetupError
 from phalanx.runtime.progress import Progress
 from phalanx.runtime.restart_hold import RESTART_HOLD_MAX_S, RestartHold
@@ -211,7 +211,8 @@ class _Run:
     def start_workers_and_faults(self, address: str) -> None:
         cfg = self.cfg
         env = {**os.environ, **cfg.extra_env, "PHALANX_COORDINATOR": address, "PHALANX_TOKEN_FILE": str(self.token_path),
-               "PHALANX_RUN_DIR": str(cfg.run_dir), "PHALANX_DATA_SEED": str(cfg.data_seed), "PYTHONUNBUFFERED": "1"}
+               "PHALANX_RUN_DIR": str(cfg.run_dir), "PHALANX_DATA_SEED": str(cfg.data_seed), "PYTHONUNBUFFERED": "1",
+               **network_seams_env(self.injector_plan, cfg.coordinator)}
         self.sup = Supervisor(cfg.argv, env, cfg.run_dir, cfg.workers, cfg.restart_failed,
                               wrap=self.net.worker_command if self.net is not None else None,
                               joiners=cfg.fault_plan.joiners)

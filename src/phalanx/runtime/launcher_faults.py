@@ -16,7 +16,7 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 
-from phalanx.faults.plan import Fault, FaultKind, FaultPlan
+from phalanx.faults.plan import NETWORK_KINDS, Fault, FaultKind, FaultPlan
 from phalanx.membership.commit_log import CommitHistory, CommitRecord
 from phalanx.membership.coordinator import Coordinator
 from phalanx.faults.timeline import FaultRecord, FaultTimeline
@@ -31,6 +31,16 @@ def split_plan(plan: FaultPlan, kernel: KernelFaults | None) -> tuple[FaultPlan,
     in_kernel = tuple(f for f in plan.faults if kernel is not None and f not in kills and kernel.takes(f))
     rest = tuple(f for f in plan.faults if f not in kills and f not in in_kernel)
     return dataclasses.replace(plan, faults=rest), in_kernel, kills
+
+
+def network_seams_env(injected: FaultPlan, remote_coordinator: str) -> dict[str, str]:
+    """``PHALANX_NETWORK_FAULTS`` for the workers: "0" when nothing can send them a network fault
+    (the plan's injected faults have no network kind, and the coordinator is this launcher's own),
+    so they skip the network-fault seams, a queue and a task per control message; "1" otherwise
+    (a remote coordinator may carry another launcher's faults). Kernel-acted faults (netns) do not
+    go through the seams."""
+    needed = bool(remote_coordinator) or any(f.kind in NETWORK_KINDS for f in injected.faults)
+    return {"PHALANX_NETWORK_FAULTS": "1" if needed else "0"}
 
 
 class CoordinatorHolder:

@@ -20,7 +20,7 @@ from phalanx.core import event_loop
 from phalanx.core.auth import read_token_file
 from phalanx.core.errors import ConfigError
 from phalanx.train.api import Job
-from phalanx.train.network_faults import NetworkFaults
+from phalanx.train.network_faults import network_faults_for, network_faults_setting
 from phalanx.train.worker_agent import WorkerAgent, WorkerConfig
 from phalanx.transport.real_host import RealHost
 from phalanx.transport.tcp import TcpTransport, TlsFiles
@@ -115,6 +115,7 @@ def join(**overrides: Any) -> Job:
         raise ConfigError(f"{e.args[0]} is not set: start this script with `phalanx launch -- python SCRIPT`") from e
     backend = env.get("PHALANX_BACKEND", "auto")  # auto: NCCL for CUDA tensors, Gloo for CPU ones
     backend_for(backend, "cpu")  # a bad value is a ConfigError now, before any thread starts
+    seams = network_faults_setting(env)  # likewise
     run_dir = Path(env.get("PHALANX_RUN_DIR", "runs/latest"))
     data_seed = int(env.get("PHALANX_DATA_SEED", "0"))
     batch = control_batch(env)
@@ -131,7 +132,8 @@ def join(**overrides: Any) -> Job:
     transport = TcpTransport(token, name=worker_id, tls=TlsFiles.from_env(env))  # TLS if PHALANX_TLS_* are set
     host = RealHost(worker_id, transport)
     # network faults act at the seams: host.transport becomes a FaultyTransport, groups are wrapped
-    net = NetworkFaults.install(host, coordinator, random.Random(f"net:{data_seed}:{worker_id}"))
+    # (only when the launcher's plan may send one: PHALANX_NETWORK_FAULTS, network_faults_for)
+    net = network_faults_for(seams, host, coordinator, random.Random(f"net:{data_seed}:{worker_id}"))
     cfg = WorkerConfig(worker_id=worker_id, coordinator_address=coordinator,
                        heal_bind=env.get("PHALANX_HEAL_BIND", "127.0.0.1:0"))
     agent = WorkerAgent(host, cfg, lambda addr, run_id: net.wrap(
@@ -140,6 +142,7 @@ def join(**overrides: Any) -> Job:
     net.log = job._spans.event
     job._spans.event("compute_thread", detail=compute)
     job._spans.event("control_thread", detail=marked.result(timeout=10))
+    job._spans.event("network_seams", detail="on" if seams else "off (PHALANX_NETWORK_FAULTS=0)")
     agent._on_fault = net.route(job.faults.on_fault)  # called on the control thread
     job.faults.install()
     asyncio.run_coroutine_threadsafe(agent.start(), loop).result(

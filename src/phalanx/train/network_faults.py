@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from phalanx.collectives.faulty import FaultyProcessGroupFactory
 from phalanx.collectives.process_group import ProcessGroupFactory
+from phalanx.core.errors import ConfigError
 from phalanx.core.host import Host
 from phalanx.core.messages import Bundle, InjectFault, QuorumAssigned
 from phalanx.transport.faulty import COORDINATOR, DISTRIBUTIONS, FaultyTransport, LinkEffect, NetworkConditions
@@ -131,3 +132,39 @@ class NetworkFaults:
             del self._members[q]
         if message.heal_from and message.heal_address:
             self.transport.learn_peer(message.heal_address, message.heal_from)
+
+
+class NoNetworkFaults:
+    """A worker that nothing can send a network fault to (the launcher said so): its transport and
+    process groups are left unwrapped, so a control message skips the seams' queue, task and
+    partition checks. A network fault that arrives anyway is logged and not applied."""
+
+    def __init__(self) -> None:
+        self.log: Callable[..., None] = lambda event, **fields: None
+
+    def wrap(self, factory: ProcessGroupFactory) -> ProcessGroupFactory:
+        return factory
+
+    def route(self, other: Callable[[InjectFault], None]) -> Callable[[InjectFault], None]:
+        def on_fault(fault: InjectFault) -> None:
+            if fault.kind in NETWORK_FAULT_KINDS:
+                self.log("network_fault_ignored", kind=fault.kind,
+                         reason="this worker was started without network-fault seams (PHALANX_NETWORK_FAULTS=0)")
+                return
+            other(fault)
+        return on_fault
+
+
+def network_faults_setting(env: Mapping[str, str]) -> bool:
+    """Does this worker need the seams? ``PHALANX_NETWORK_FAULTS`` "1" (the default: a worker
+    started by hand or by another tool may be sent any fault) or "0" (the launcher's word that
+    nothing will send it a network fault)."""
+    setting = env.get("PHALANX_NETWORK_FAULTS", "1")
+    if setting not in ("0", "1"):
+        raise ConfigError(f"PHALANX_NETWORK_FAULTS must be 0 or 1, got {setting!r}")
+    return setting == "1"
+
+
+def network_faults_for(seams: bool, host: Host, coordinator_address: str,
+                       rng: random.Random) -> "NetworkFaults | NoNetworkFaults":
+    return NetworkFaults.install(host, coordinator_address, rng) if seams else NoNetworkFaults()
