@@ -20,7 +20,7 @@ from phalanx.core import event_loop
 from phalanx.core.auth import read_token_file
 from phalanx.core.errors import ConfigError
 from phalanx.train.api import Job
-from phalanx.train.network_faults import network_faults_for, network_faults_setting
+from phalanx.train.network_faults import NetworkFaults, NoNetworkFaults, network_faults_setting
 from phalanx.train.worker_agent import WorkerAgent, WorkerConfig
 from phalanx.transport.real_host import RealHost
 from phalanx.transport.tcp import TcpTransport, TlsFiles
@@ -132,8 +132,9 @@ def join(**overrides: Any) -> Job:
     transport = TcpTransport(token, name=worker_id, tls=TlsFiles.from_env(env))  # TLS if PHALANX_TLS_* are set
     host = RealHost(worker_id, transport)
     # network faults act at the seams: host.transport becomes a FaultyTransport, groups are wrapped
-    # (only when the launcher's plan may send one: PHALANX_NETWORK_FAULTS, network_faults_for)
-    net = network_faults_for(seams, host, coordinator, random.Random(f"net:{data_seed}:{worker_id}"))
+    # (only when the launcher's plan may send one: PHALANX_NETWORK_FAULTS)
+    net = (NetworkFaults.install(host, coordinator, random.Random(f"net:{data_seed}:{worker_id}")) if seams
+           else NoNetworkFaults())
     cfg = WorkerConfig(worker_id=worker_id, coordinator_address=coordinator,
                        heal_bind=env.get("PHALANX_HEAL_BIND", "127.0.0.1:0"))
     agent = WorkerAgent(host, cfg, lambda addr, run_id: net.wrap(

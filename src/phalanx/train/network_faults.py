@@ -164,7 +164,3 @@ def network_faults_setting(env: Mapping[str, str]) -> bool:
         raise ConfigError(f"PHALANX_NETWORK_FAULTS must be 0 or 1, got {setting!r}")
     return setting == "1"
 
-
-def network_faults_for(seams: bool, host: Host, coordinator_address: str,
-                       rng: random.Random) -> "NetworkFaults | NoNetworkFaults":
-    return NetworkFaults.install(host, coordinator_address, rng) if seams else NoNetworkFaults()
