@@ -139,9 +139,11 @@ def test_partition_isolating_a_worker_suspects_it_the_minority_never_commits_and
 @needs_netns
 def test_bandwidth_limit_slows_the_allreduce_on_the_wire_and_lifting_it_restores_it(tmp_path):
     # ~470 KB of gradients per step; a ring all-reduce over 3 workers sends ~620 KB per worker,
-    # so at 1 MB/s it cannot take much under 0.6 s, against milliseconds unlimited.
+    # so at 1 MB/s it cannot take much under 0.6 s, against milliseconds unlimited. Paced, so that
+    # steps go on for well over 0.5 s after the limit is lifted however fast an unlimited step is
+    # (unpaced, 17 fast steps once all fitted in 0.5 s and left nothing to compare).
     plan = '[[fault]]\nkind = "bandwidth"\nbytes_per_s = 1000000\nat_step = 8\nfor_s = 3.0\n'
-    s = train(tmp_path, plan, workers=3, steps=30, network="namespaces")
+    s = train(tmp_path, plan, workers=3, steps=40, network="namespaces", **PACE)
     assert_strict(s)
     run = tmp_path / "run"
     evs = events(run)
