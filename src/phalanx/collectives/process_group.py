@@ -46,6 +46,12 @@ class Pending(Protocol):
 
     async def wait(self, timeout_s: float) -> None: ...
 
+    def wait_here(self, slice_s: float) -> bool:
+        """Block the calling thread (a body's thread, never an event loop) for at most ``slice_s``.
+        True once nothing is left to wait for on this thread: the collective has finished (well
+        or not: ``wait`` says which), or it finishes only on the loop (simulated, delayed by a
+        network fault, on a GPU stream). Raises nothing."""
+
 
 class ProcessGroup(Protocol):
     quorum_id: int
@@ -69,6 +75,9 @@ class ProcessGroup(Protocol):
 class _Done:
     async def wait(self, timeout_s: float) -> None:
         return None
+
+    def wait_here(self, slice_s: float) -> bool:
+        return True
 
 
 class ProcessGroupFactory(Protocol):
@@ -117,7 +126,7 @@ class TorchProcessGroup:
         try:
             if self._make_cuda is not None and tensor.is_cuda:
                 pg = self._cuda_group(tensor.device)[0]
-            return _TorchPending(self, pg.allreduce([tensor]))
+            return _TorchPending(self, pg.allreduce([tensor]), on_cpu=not tensor.is_cuda)
         except RuntimeError as e:
             self.abandon()
             raise CollectiveError(f"all-reduce could not start in quorum {self.quorum_id}: {_short(e)}") from e
@@ -149,8 +158,21 @@ class TorchProcessGroup:
 
 
 class _TorchPending:
-    def __init__(self, group: TorchProcessGroup, work: Any) -> None:
-        self._group, self._work = group, work
+    def __init__(self, group: TorchProcessGroup, work: Any, on_cpu: bool = True) -> None:
+        self._group, self._work, self._on_cpu = group, work, on_cpu
+
+    def wait_here(self, slice_s: float) -> bool:
+        """Gloo on CPU tensors: wait on the work itself (a condition variable in C++; the GIL is
+        released), in slices so that the caller can stop between them. CUDA work is never waited
+        for here: its ``wait`` only orders streams."""
+        work = self._work
+        if not self._on_cpu or work.is_completed():
+            return True
+        try:
+            work.wait(datetime.timedelta(seconds=slice_s))
+        except RuntimeError:
+            pass  # the slice ran out ("Operation timed out!"), or it failed: ``wait`` says which
+        return bool(work.is_completed())
 
     async def wait(self, timeout_s: float) -> None:
         group = self._group

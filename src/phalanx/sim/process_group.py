@@ -186,6 +186,9 @@ class _SimPending:
     def __init__(self, group: SimProcessGroup, fut: "asyncio.Future[None]", op: _Op | None) -> None:
         self._group, self._fut, self._op = group, fut, op
 
+    def wait_here(self, slice_s: float) -> bool:
+        return True  # it completes on the simulation's loop: nothing to wait for on a thread
+
     async def wait(self, timeout_s: float) -> None:
         fut = self._fut
         # A bucket that finished while later ones were still computing needs no timer. Otherwise

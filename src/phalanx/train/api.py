@@ -30,6 +30,7 @@ import torch
 
 from phalanx.core.errors import ConfigError, FinalStateUnavailable
 from phalanx.train import host_memory, sharding
+from phalanx.train.exchange import Exchange
 from phalanx.train.faults_in_process import InProcessFaults
 from phalanx.train.grad_buckets import DEFAULT_BUCKET_BYTES, GradientBuckets, copy_back, coverage_tail, start_gradients
 from phalanx.train.speculation import (DEFAULT_MAX_BYTES, Pending, StateSnapshot, same_body, setting_from_env,
@@ -234,6 +235,16 @@ class Job:
         if b is not None and ex is not None and sh is not None and not st.local and sh[3]:
             b.arm(ex, sh[1] / sh[3], TailLayout(sh[3]).size)
 
+    def _wait_here(self, st: Step, ex: Exchange) -> None:
+        """Wait for the step's collectives on this thread (the GIL released) before the vote goes to
+        the loop (``Exchange.wait_here``): the control thread is then woken once a step, with the
+        sum complete, and no Python runs on Gloo's thread. A broken quorum or a lost coordinator
+        stops the wait within a slice (10 ms); the vote then says what happened, as before."""
+        agent, qid = self.agent, st.quorum_id
+        agent.entering_allreduce(st.number, qid)
+        timeout_s = agent.welcome.collective_timeout_s if agent.welcome else 5.0
+        ex.wait_here(lambda: agent.quorum_gone(qid), timeout_s, time.monotonic)
+
     def _allreduce(self, st: Step, model: torch.nn.Module | None, loss: Any) -> bool:
         """The vote: the gradient buckets ``* n_i/N`` (most already on the wire, started during
         backward), then the tail ``[coverage | loss * n_i/N]`` (train/step_buffer.py); summed
@@ -277,6 +288,7 @@ class Job:
                                  speculative=True)
                 return True
         else:
+            self._wait_here(st, ex)
             vote = self._call(self._body.vote(self.engine.vote(st._a, ex, None, verify, compute_s), count))
         if error:  # the coverage was withheld, so the step aborted everywhere; now say why
             if buckets is not None:

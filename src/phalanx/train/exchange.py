@@ -19,6 +19,10 @@ from typing import Any
 from phalanx.collectives.process_group import Pending, ProcessGroup
 from phalanx.core.errors import CollectiveError
 
+# How often a body waiting for its collectives looks whether the step is lost: a frozen peer's
+# quorum is broken by the coordinator, and its members go on to the vote this much later at most.
+WAIT_HERE_SLICE_S = 0.01
+
 
 class Exchange:
     """The collectives of one attempt at one step on one quorum's process group.
@@ -33,6 +37,7 @@ class Exchange:
         self._pending: list[Pending] = []
         self._queued: list[tuple[Any, float]] = []  # to issue from the loop, in order
         self._lock = threading.Lock()
+        self.waited_s = 0.0  # spent in wait_here, on the body's thread, before the vote reached the loop
 
     @classmethod
     def broken(cls, why: str) -> "Exchange":
@@ -53,6 +58,26 @@ class Exchange:
                     self._pending.append(pending)
                     return
             self._queued.append((tensor, share))  # after the first deferral, everything follows in order
+
+    def wait_here(self, stop: Callable[[], bool], timeout_s: float, now: Callable[[], float],
+                  slice_s: float = WAIT_HERE_SLICE_S) -> None:
+        """On the body's thread, after it has launched everything and before the vote goes to the
+        loop: block until every started collective has finished, ``stop()`` says the step is lost
+        (its quorum broken, the coordinator gone: checked between slices of ``slice_s``) or
+        ``timeout_s`` passes. ``complete`` then finds them finished: the loop is woken once, with
+        something to report, and no Python runs on the collective's own thread. What is queued, or
+        finishes only on the loop, is left to ``complete``; the time spent here counts against its
+        deadline (``waited_s``)."""
+        with self._lock:
+            pending = [] if self.failed or self._queued else list(self._pending)
+        t0 = now()
+        try:
+            for p in pending:
+                while not p.wait_here(slice_s):
+                    if stop() or now() - t0 >= timeout_s:
+                        return
+        finally:
+            self.waited_s = now() - t0
 
     async def complete(self, timeout_s: float, now: Callable[[], float]) -> None:
         """Issue what was queued, then wait for every collective (one deadline for all).

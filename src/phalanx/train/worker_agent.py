@@ -55,6 +55,7 @@ class WorkerAgent(QuorumGroups, Healing):
         self._lost = asyncio.Event()
         self._last_sent_s = float("-inf")  # any message is a sign of life: heartbeats fill the gaps
         self._phase_mark: tuple[int, int, str, float] | None = None  # (step, quorum id, phase, entered at)
+        self._mark_sent: tuple[int, int, str, float] | None = None  # the last one a heartbeat carried
         self._decision_due_s: dict[tuple[int, int], float] = {}  # (step, quorum id) -> give up waiting then
         self._members: tuple[int, tuple[str, ...]] = (-1, ())  # the last member list received, with its quorum id
         self.heal_address = ""
@@ -131,7 +132,9 @@ class WorkerAgent(QuorumGroups, Healing):
                 sleep_s = max(last_s + 2 * interval_s - now, 0.001)
             elif self.connected:
                 seq += 1
-                mark, self._phase_mark = self._phase_mark, None
+                mark = self._phase_mark  # set on the loop, or by a body waiting on its own thread
+                mark = None if mark is self._mark_sent else mark  # each mark goes out once
+                self._mark_sent = mark or self._mark_sent
                 # a phase still under way (a long all-reduce): its progress mark is the sign of life
                 message = Heartbeat(seq=seq, step=self.last_committed_step) if mark is None else \
                     Progress(step=mark[0], quorum_id=mark[1], phase=mark[2], age_s=max(0.0, now - mark[3]))
@@ -245,6 +248,17 @@ class WorkerAgent(QuorumGroups, Healing):
         self._asked = self._early = None
         return early[0]
 
+    # ---- called from a body's own thread (real runs' bridge): one attribute read or store each ----
+    def entering_allreduce(self, step: int, quorum_id: int) -> None:
+        """The body waits for its collectives on its own thread before the vote: the progress
+        watch's mark is set from there, as ``allreduce`` would set it (see _heartbeats)."""
+        self._phase_mark = (step, quorum_id, "allreduce", self.host.now())
+
+    def quorum_gone(self, quorum_id: int) -> bool:
+        """Whether the coordinator broke this quorum or is lost: a body waiting for the quorum's
+        collectives on its own thread stops and lets the vote say so."""
+        return quorum_id in self._broken or self._lost.is_set()
+
     async def allreduce(self, a: Assignment, ex: Exchange, tail: Any, verify: Callable[[], tuple[bool, float]],
                         compute_s: float, next_step: int = -1) -> StepDecision:
         """Start ``tail`` after the buckets the body launched, wait for them all, report the
@@ -256,16 +270,17 @@ class WorkerAgent(QuorumGroups, Healing):
         """
         key = (a.step, a.quorum_id)
         self._decisions[key] = asyncio.get_running_loop().create_future()
-        t0 = self.host.now()
+        t0 = self.host.now() - ex.waited_s  # the body may have waited for the collectives already
         ok, error = True, ""
         # the progress watch's mark goes out only if this phase spans a silence of 2 heartbeat intervals
         # (in place of the heartbeat, see _heartbeats): a fault-free step sends none
-        self._phase_mark = (a.step, a.quorum_id, "allreduce", t0)
+        if self._phase_mark is None or self._phase_mark[:3] != (a.step, a.quorum_id, "allreduce"):
+            self._phase_mark = (a.step, a.quorum_id, "allreduce", t0)
         try:
             if tail is not None:
                 ex.launch(tail, 0.0)
             timeout_s = self.welcome.collective_timeout_s if self.welcome else 5.0
-            await self._race_broken(a, ex.complete(timeout_s, self.host.now))
+            await self._race_broken(a, ex.complete(max(timeout_s - ex.waited_s, 0.0), self.host.now))
         except CollectiveError as e:
             ok, error = False, str(e)
         except QuorumBroken as e:

@@ -1,0 +1,96 @@
+"""``Exchange.wait_here``: the body's thread waits for its collectives before the vote goes to the
+loop, and stops when the step is lost or its deadline passes (fake collectives; the real Gloo
+wait is in tests/collectives/test_wait_here.py)."""
+
+import asyncio
+
+from phalanx.train.exchange import Exchange
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Slow:
+    """Finishes after ``slices`` waits of the body's thread; each wait advances the clock by its slice."""
+
+    def __init__(self, clock: _Clock, slices: int | None) -> None:
+        self.clock, self.left, self.waits = clock, slices, 0
+
+    def wait_here(self, slice_s: float) -> bool:
+        self.waits += 1
+        self.clock.t += slice_s
+        if self.left is None:
+            return False
+        self.left -= 1
+        return self.left <= 0
+
+    async def wait(self, timeout_s: float) -> None:
+        assert self.left is not None and self.left <= 0, "the loop is asked only once it is done here"
+
+
+class _Group:
+    quorum_id, rank, world_size = 1, 0, 2
+
+    def __init__(self, pendings: list) -> None:
+        self.pendings = list(pendings)
+
+    def start_allreduce_sum(self, tensor, share=1.0):
+        return self.pendings.pop(0)
+
+    async def allreduce_sum(self, tensor, timeout_s):
+        return None
+
+    def abandon(self) -> None:
+        pass
+
+
+def test_waits_until_every_collective_is_done_and_counts_the_time():
+    clock = _Clock()
+    a, b = _Slow(clock, 3), _Slow(clock, 2)
+    ex = Exchange(_Group([a, b]))
+    ex.launch("bucket0")
+    ex.launch("bucket1")
+    ex.wait_here(lambda: False, 5.0, clock, slice_s=0.01)
+    assert (a.waits, b.waits) == (3, 2)
+    assert abs(ex.waited_s - 0.05) < 1e-9
+    asyncio.run(ex.complete(5.0 - ex.waited_s, clock))  # finds them finished
+
+
+def test_a_lost_step_stops_the_wait_between_slices():
+    clock = _Clock()
+    hung = _Slow(clock, None)  # a peer froze: it never finishes
+    ex = Exchange(_Group([hung]))
+    ex.launch("bucket0")
+    lost_after = iter([False, False, True])
+    ex.wait_here(lambda: next(lost_after), 5.0, clock, slice_s=0.01)
+    assert hung.waits == 3 and abs(ex.waited_s - 0.03) < 1e-9
+
+
+def test_the_wait_ends_at_the_collective_deadline():
+    clock = _Clock()
+    hung = _Slow(clock, None)
+    ex = Exchange(_Group([hung]))
+    ex.launch("bucket0")
+    ex.wait_here(lambda: False, 0.5, clock, slice_s=0.125)
+    assert hung.waits == 4 and ex.waited_s == 0.5
+
+
+class _Deferring(_Group):
+    def start_allreduce_sum(self, tensor, share=1.0):
+        return None  # a network fault: the loop issues it
+
+
+def test_queued_or_failed_exchanges_are_left_to_the_loop():
+    clock = _Clock()
+    ex = Exchange(_Deferring([]))
+    ex.launch("bucket0")
+    ex.wait_here(lambda: False, 5.0, clock)
+    assert ex.waited_s == 0.0
+    broken = Exchange.broken("no group")
+    broken.wait_here(lambda: False, 5.0, clock)
+    assert broken.waited_s == 0.0
