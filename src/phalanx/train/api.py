@@ -239,7 +239,7 @@ class Job:
         """Wait for the step's collectives on this thread (the GIL released) before the vote goes to
         the loop (``Exchange.wait_here``): the control thread is then woken once a step, with the
         sum complete, and no Python runs on Gloo's thread. A broken quorum or a lost coordinator
-        stops the wait within a slice (10 ms); the vote then says what happened, as before."""
+        stops the wait within a slice (5 ms); the vote then says what happened, as before."""
         agent, qid = self.agent, st.quorum_id
         agent.entering_allreduce(st.number, qid)
         timeout_s = agent.welcome.collective_timeout_s if agent.welcome else 5.0

@@ -21,7 +21,7 @@ from phalanx.core.errors import CollectiveError
 
 # How often a body waiting for its collectives looks whether the step is lost: a frozen peer's
 # quorum is broken by the coordinator, and its members go on to the vote this much later at most.
-WAIT_HERE_SLICE_S = 0.01
+WAIT_HERE_SLICE_S = 0.005
 
 
 class Exchange:
