@@ -166,13 +166,16 @@ class _TorchPending:
         released), in slices so that the caller can stop between them. CUDA work is never waited
         for here: its ``wait`` only orders streams."""
         work = self._work
-        if not self._on_cpu or work.is_completed():
-            return True
         try:
-            work.wait(datetime.timedelta(seconds=slice_s))
+            if not self._on_cpu or work.is_completed():
+                return True
+            try:
+                work.wait(datetime.timedelta(seconds=slice_s))
+            except RuntimeError:
+                pass  # the slice ran out ("Operation timed out!"), or it failed: ``wait`` says which
+            return bool(work.is_completed())
         except RuntimeError:
-            pass  # the slice ran out ("Operation timed out!"), or it failed: ``wait`` says which
-        return bool(work.is_completed())
+            return True  # anything else torch says about it: the loop's ``wait`` reports it
 
     async def wait(self, timeout_s: float) -> None:
         group = self._group
