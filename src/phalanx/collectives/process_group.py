@@ -162,20 +162,16 @@ class _TorchPending:
         self._group, self._work, self._on_cpu = group, work, on_cpu
 
     def wait_here(self, slice_s: float) -> bool:
-        """Gloo on CPU tensors: wait on the work itself (a condition variable in C++; the GIL is
-        released), in slices so that the caller can stop between them. CUDA work is never waited
-        for here: its ``wait`` only orders streams."""
+        """Gloo on CPU tensors: wait on the work (in C++, the GIL released) for one slice. Never
+        CUDA work: its ``wait`` only orders streams."""
         work = self._work
         try:
             if not self._on_cpu or work.is_completed():
                 return True
-            try:
-                work.wait(datetime.timedelta(seconds=slice_s))
-            except RuntimeError:
-                pass  # the slice ran out ("Operation timed out!"), or it failed: ``wait`` says which
+            work.wait(datetime.timedelta(seconds=slice_s))
+            return True
+        except RuntimeError:  # the slice ran out ("Operation timed out!"), or it failed: ``wait`` says which
             return bool(work.is_completed())
-        except RuntimeError:
-            return True  # anything else torch says about it: the loop's ``wait`` reports it
 
     async def wait(self, timeout_s: float) -> None:
         group = self._group
