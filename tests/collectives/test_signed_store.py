@@ -8,6 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from phalanx.collectives.process_group import signed_store
+from tests.collectives.two_ranks import run_two_ranks
 
 
 def test_a_signed_value_reads_back_and_a_forged_or_foreign_one_is_refused():
@@ -77,12 +78,9 @@ os._exit(0)
 
 
 def test_a_group_build_stuck_on_a_hung_member_does_not_hold_up_the_next_quorums():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    address = f"127.0.0.1:{master.port}"
-    procs = [subprocess.Popen([sys.executable, "-c", _STUCK_THEN_NEXT, str(r), address], stdout=subprocess.PIPE,
-                              text=True) for r in range(2)]
-    outs = [p.communicate(timeout=60)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    ranks = run_two_ranks(_STUCK_THEN_NEXT, 60)
+    outs = [out for _, out, _ in ranks]
+    assert [code for code, _, _ in ranks] == [0, 0], ranks
     assert all("[3.0, 3.0, 3.0]" in o for o in outs), outs
     built = float(outs[0].split("built_s")[1].split()[0])
     # on a store connection shared with the stuck build it waited for that build's 20 s deadline

@@ -2,10 +2,7 @@
 the GIL released, so the caller can stop between them; the loop's ``wait`` then finds it finished,
 with the outcome (a sum, or the failure when a peer left) it would have had."""
 
-import subprocess
-import sys
-
-import torch.distributed as dist
+from tests.collectives.two_ranks import run_two_ranks
 
 # Rank 1 joins each all-reduce late (the first after 0.4 s; the second never: it exits).
 # Rank 0 waits in 20 ms slices and reports how many ran out before the collective finished.
@@ -45,14 +42,10 @@ os._exit(0)
 
 
 def test_a_gloo_collective_is_waited_for_in_slices_and_keeps_its_outcome():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    address = f"127.0.0.1:{master.port}"
-    procs = [subprocess.Popen([sys.executable, "-c", _RANKS, str(r), address], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=90) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    out0 = outs[0][0]
-    assert "sum 3.0" in out0 and "sum 3.0" in outs[1][0], outs
+    ranks = run_two_ranks(_RANKS, 90)
+    assert [code for code, _, _ in ranks] == [0, 0], ranks
+    out0, out1 = ranks[0][1], ranks[1][1]
+    assert "sum 3.0" in out0 and "sum 3.0" in out1, ranks
     slices = int(out0.split("slices")[1].split()[0])
     assert slices >= 5, out0  # rank 1 came 0.4 s late: many 20 ms slices ran out first
-    assert "second failed: all-reduce failed in quorum 1" in out0, outs
+    assert "second failed: all-reduce failed in quorum 1" in out0, ranks
