@@ -242,8 +242,7 @@ class Job:
         stops the wait within a slice (5 ms); the vote then says what happened, as before."""
         agent, qid = self.agent, st.quorum_id
         agent.entering_allreduce(st.number, qid)
-        timeout_s = agent.welcome.collective_timeout_s if agent.welcome else 5.0
-        ex.wait_here(lambda: agent.quorum_gone(qid), timeout_s, time.monotonic)
+        ex.wait_here(lambda: agent.quorum_gone(qid), agent.collective_timeout_s, time.monotonic)
 
     def _allreduce(self, st: Step, model: torch.nn.Module | None, loss: Any) -> bool:
         """The vote: the gradient buckets ``* n_i/N`` (most already on the wire, started during

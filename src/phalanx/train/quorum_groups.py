@@ -37,6 +37,11 @@ class QuorumGroups:
         self._racing: dict[asyncio.Task[Any], int] = {}  # tasks awaiting work a broken quorum interrupts -> its id
         self._interrupted: dict[asyncio.Task[Any], Exception] = {}
 
+    @property
+    def collective_timeout_s(self) -> float:
+        """A collective's deadline (group builds too): the coordinator's word, 5 s before its Welcome."""
+        return self.welcome.collective_timeout_s if self.welcome else 5.0
+
     def _quorum_broken(self, quorum_id: int, reason: str) -> None:
         floor = max([quorum_id, *self._broken]) - 8  # bounded: the newest few
         self._broken = {q: w for q, w in self._broken.items() if q >= floor}
@@ -55,7 +60,7 @@ class QuorumGroups:
         if self._pg_factory is None:
             assert self.welcome is not None
             self._pg_factory = self._make_pg_factory(self.welcome.store_address, self.welcome.run_id)
-        timeout_s = self.welcome.collective_timeout_s if self.welcome else 5.0
+        timeout_s = self.collective_timeout_s
         self._pg = await self._race_broken(a, self._pg_factory.create(a.quorum_id, a.rank, a.world_size, timeout_s))
         return self._pg
 

@@ -279,8 +279,7 @@ class WorkerAgent(QuorumGroups, Healing):
         try:
             if tail is not None:
                 ex.launch(tail, 0.0)
-            timeout_s = self.welcome.collective_timeout_s if self.welcome else 5.0
-            await self._race_broken(a, ex.complete(max(timeout_s - ex.waited_s, 0.0), self.host.now))
+            await self._race_broken(a, ex.complete(max(self.collective_timeout_s - ex.waited_s, 0.0), self.host.now))
         except CollectiveError as e:
             ok, error = False, str(e)
         except QuorumBroken as e:
