@@ -138,9 +138,6 @@ class Job:
         """The run's consistency mode (core.modes): strict, available or local-sgd."""
         return self.engine.mode
 
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
     def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
               overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """Register the state that is healed to joining workers and checkpointed.
@@ -288,7 +285,7 @@ class Job:
                 return True
         else:
             self._wait_here(st, ex)
-            vote = self._call(self._body.vote(self.engine.vote(st._a, ex, None, verify, compute_s), count))
+            vote = self._body.vote_here(self.engine.vote(st._a, ex, None, verify, compute_s), count)
         if error:  # the coverage was withheld, so the step aborted everywhere; now say why
             if buckets is not None:
                 buckets.renew()
