@@ -80,12 +80,18 @@ class TorchState:
 
 
 class SpanLog:
-    """Per-worker spans and events (JSON lines, monotonic clock shared by all local processes)."""
+    """Per-worker spans and events (JSON lines, monotonic clock shared by all local processes).
+
+    A ``gil_hang`` fault's events are written from a signal handler on the training thread
+    (train/faults_in_process.py), which may interrupt that thread inside a write to this very
+    file: the file refuses the reentrant call (RuntimeError), so such a line waits and goes out
+    before the next one. Its timestamp was taken when it happened."""
 
     def __init__(self, path: Path, worker_id: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(path, "a", buffering=1)
         self._wid = worker_id
+        self._deferred: list[str] = []
 
     def span(self, span: str, start_s: float, **fields: Any) -> None:
         now = time.monotonic()
@@ -95,10 +101,16 @@ class SpanLog:
         self._write({"mono": round(time.monotonic(), 6), "node": self._wid, "event": event, **fields})
 
     def _write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record) + "\n"
+        if self._deferred:
+            pending, self._deferred = self._deferred, []
+            line = "".join(pending) + line
         try:
-            self._f.write(json.dumps(record) + "\n")
+            self._f.write(line)
         except ValueError:
             pass  # closed at exit
+        except RuntimeError:  # reentrant: a signal handler's write inside a write on this thread
+            self._deferred.append(line)
 
     def close(self) -> None:
         self._f.close()
