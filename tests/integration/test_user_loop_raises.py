@@ -1,7 +1,7 @@
 """A user's loop that raises between the commit and the optimizer step (real processes).
 
 A commit that hands the next step's ticket tells the engine the step's result on the control
-loop, so the user's thread sends nothing more for that step (train/thread_body.py, ``ThreadBody.vote``).
+loop, so the user's thread sends nothing more for that step (train/thread_body.py, ``ThreadBody.send_vote``).
 What the user's code does afterwards must still reach the engine: a raise ends this worker's
 job (Goodbye, not completed) and its peer goes on alone and finishes; nothing hangs. The peer's
 process exits 0: it ended while its abandoned group (the one w1 left) was still held by the thread

@@ -50,7 +50,7 @@ def test_a_commit_that_hands_the_next_ticket_is_the_body_result_and_runs_on_the_
         ran_on.append(asyncio.current_task())
         return Vote(True, loss=1.5, next=_ticket(1, handed=True))
 
-    vote = body.vote_here(voting(), samples=8)
+    vote = body.send_vote(voting(), samples=8).result()
     assert vote.commit and vote.next is not None and vote.next.step == 1
     assert engine.result(5) == BodyResult(True, 8, 1.5, "")
     assert ran_on and ran_on[0] is not None and ran_on[0].get_coro().__qualname__ == "ThreadBody.run"
@@ -64,7 +64,7 @@ def test_an_abort_leaves_the_engine_waiting_for_the_body_result(loop) -> None:
     async def voting() -> Vote:
         return Vote(False, "quorum broken")
 
-    assert body.vote_here(voting(), samples=8) == Vote(False, "quorum broken")
+    assert body.send_vote(voting(), samples=8).result() == Vote(False, "quorum broken")
     assert not engine.done()
     body.body_done(BodyResult(False, 0, None, "quorum broken"))
     assert engine.result(5) == BodyResult(False, 0, None, "quorum broken")
@@ -79,7 +79,7 @@ def test_a_vote_that_raises_reaches_the_user_and_the_engine_hears_the_loop_exit(
         raise ValueError("a bug in the vote")
 
     with pytest.raises(ValueError, match="a bug in the vote"):
-        body.vote_here(voting(), samples=8)
+        body.send_vote(voting(), samples=8).result()
     assert not engine.done()  # the engine goes on waiting: the user's loop exits next
     body.body_exited("loop body raised")
     with pytest.raises(Exception, match="loop body raised"):
@@ -96,7 +96,7 @@ def test_a_vote_after_the_engine_ended_is_answered_at_once_and_never_started(loo
 
     loop.call_soon_threadsafe(body.ended)
     assert body.next_ticket() is None
-    assert body.vote_here(voting(), samples=8) is ENGINE_ENDED
+    assert body.send_vote(voting(), samples=8).result() is ENGINE_ENDED
     assert not started
 
 
@@ -109,7 +109,7 @@ def test_a_vote_queued_when_the_engine_ends_is_answered_too(loop) -> None:
     async def voting() -> Vote:
         return Vote(True)
 
-    voter = threading.Thread(target=lambda: answer.append(body.vote_here(voting(), samples=1)))
+    voter = threading.Thread(target=lambda: answer.append(body.send_vote(voting(), samples=1).result()))
     voter.start()
     time.sleep(0.2)  # the vote is sent (queued behind the gate) before the engine's end is
     loop.call_soon_threadsafe(body.ended)  # no engine ever waits for that vote
@@ -133,7 +133,7 @@ def test_an_engine_cancelled_during_the_vote_cancels_the_user_wait(loop) -> None
 
     def vote() -> None:
         try:
-            body.vote_here(voting(), samples=1)
+            body.send_vote(voting(), samples=1).result()
         except BaseException as e:  # noqa: BLE001 - the test records what the user's thread sees
             got.append(e)
 

@@ -285,7 +285,7 @@ class Job:
                 return True
         else:
             self._wait_here(st, ex)
-            vote = self._body.vote_here(self.engine.vote(st._a, ex, None, verify, compute_s), count)
+            vote = self._body.send_vote(self.engine.vote(st._a, ex, None, verify, compute_s), count).result()
         if error:  # the coverage was withheld, so the step aborted everywhere; now say why
             if buckets is not None:
                 buckets.renew()
@@ -318,8 +318,7 @@ class Job:
                 settle_once(early, loss)
             return covered, loss
 
-        vf = asyncio.run_coroutine_threadsafe(
-            self._body.vote(self.engine.vote(st._a, ex, None, checked, compute_s), count), self._loop)
+        vf = self._body.send_vote(self.engine.vote(st._a, ex, None, checked, compute_s), count)
         vf.add_done_callback(lambda _f: settle_once(early, None))
         loss = early.result()
         assert self._snapshot is not None, "only a job with a snapshot speculates"

@@ -31,7 +31,7 @@ class ThreadBody:
     already handed over with the last vote (the fast path) is not queued again; results come back
     in order, so one that arrives before the engine waits for it is kept.
 
-    The user's thread votes with ``vote_here``: the vote goes into the same queue and runs on the
+    The user's thread votes with ``send_vote``: the vote goes into the same queue and runs on the
     engine's task, which is waiting for this body anyway. No task is created per step, the user's
     thread hears the verdict before the engine does its bookkeeping, and a commit that hands the
     next ticket is the body's result at once, without another hop."""
@@ -97,25 +97,17 @@ class ThreadBody:
                 self._answer_ended(item)
         self._tickets.put(self._END)
 
-    def vote_here(self, voting: Coroutine[Any, Any, Vote], samples: int) -> Vote:
-        """On the user's thread: run the vote on the engine's task and wait for it (see the class)."""
+    def send_vote(self, voting: Coroutine[Any, Any, Vote], samples: int) -> concurrent.futures.Future[Vote]:
+        """On the user's thread: run the vote on the engine's task (see the class); its verdict
+        comes in the returned future (waited for at once, or after a guess, train/speculation.py)."""
         answer: concurrent.futures.Future[Vote] = concurrent.futures.Future()
         self._loop.call_soon_threadsafe(self._put, _VoteRequest(voting, samples, answer))
-        return answer.result()
+        return answer
 
     @staticmethod
     def _answer_ended(req: _VoteRequest) -> None:
         req.voting.close()  # never started: nothing went on the wire for it
         req.answer.set_result(ENGINE_ENDED)
-
-    async def vote(self, voting: Coroutine[Any, Any, Vote], samples: int) -> Vote:
-        """The vote, on the loop. A commit that hands the next ticket is this body's result as well
-        (nothing after it can un-commit the step: a failing user loop ends the job either way), so
-        the engine gets it here, without another hop from the user's thread."""
-        vote = await voting
-        if vote.commit and vote.next is not None:
-            self._put(BodyResult(True, samples, vote.loss, ""))
-        return vote
 
     def _put(self, item: BodyResult | Exception | _VoteRequest) -> None:
         if self._over and isinstance(item, _VoteRequest):
