@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from phalanx.collectives.process_group import signed_store
+from phalanx.collectives.signed_store import signed_store
 from tests.collectives.two_ranks import run_two_ranks
 
 
@@ -33,7 +33,7 @@ def test_a_signed_value_reads_back_and_a_forged_or_foreign_one_is_refused():
 # the all-reduce has succeeded; what this test checks is the rendezvous and the sum.
 _WORKER = """
 import datetime, os, sys, torch, torch.distributed as dist
-from phalanx.collectives.process_group import signed_store
+from phalanx.collectives.signed_store import signed_store
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 inner = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
 signed = signed_store(inner, b"token", "run")

@@ -3,6 +3,8 @@ loop, and stops when the step is lost or its deadline passes (fake collectives; 
 wait is in tests/collectives/test_wait_here.py)."""
 
 import asyncio
+import threading
+import time
 
 from phalanx.train.exchange import Exchange
 
@@ -66,7 +68,7 @@ def test_a_lost_step_stops_the_wait_between_slices():
     hung = _Slow(clock, None)  # a peer froze: it never finishes
     ex = Exchange(_Group([hung]))
     ex.launch("bucket0")
-    lost_after = iter([False, False, True])
+    lost_after = iter([False, False, False, True])  # looked at before the first slice too
     ex.wait_here(lambda: next(lost_after), 5.0, clock, slice_s=0.01)
     assert hung.waits == 3 and abs(ex.waited_s - 0.03) < 1e-9
 
@@ -94,3 +96,47 @@ def test_queued_or_failed_exchanges_are_left_to_the_loop():
     broken = Exchange.broken("no group")
     broken.wait_here(lambda: False, 5.0, clock)
     assert broken.waited_s == 0.0
+
+
+def test_a_step_lost_before_the_wait_does_not_block_at_all():
+    clock = _Clock()
+    hung = _Slow(clock, None)
+    ex = Exchange(_Group([hung]))
+    ex.launch("bucket0")
+    ex.wait_here(lambda: True, 5.0, clock, slice_s=0.01)
+    assert hung.waits == 0 and ex.waited_s == 0.0
+
+
+class _Hung:
+    """A real wait on a thread: a slice ends early only when woken (a frozen peer's collective)."""
+
+    def __init__(self) -> None:
+        self._bell = threading.Event()
+        self.waits = 0
+
+    def wait_here(self, slice_s: float) -> bool:
+        self.waits += 1
+        self._bell.wait(slice_s)
+        self._bell.clear()
+        return False
+
+    def wake(self) -> None:
+        self._bell.set()
+
+
+def test_a_wake_from_another_thread_ends_the_wait_at_once():
+    hung = _Hung()
+    ex = Exchange(_Group([hung]))
+    ex.launch("bucket0")
+    lost = threading.Event()
+
+    def break_the_quorum() -> None:
+        time.sleep(0.1)
+        lost.set()  # what the coordinator's QuorumBroken does on the control loop, then the wake
+        ex.wake()
+
+    threading.Thread(target=break_the_quorum).start()
+    t0 = time.monotonic()
+    ex.wait_here(lost.is_set, 30.0, time.monotonic, slice_s=10.0)
+    assert time.monotonic() - t0 < 5.0, "the wake must end a 10 s slice"
+    assert hung.waits == 1 and 0.05 < ex.waited_s < 5.0

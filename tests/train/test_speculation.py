@@ -103,7 +103,7 @@ def _train_with_job(tmp_path, script: dict[tuple[int, int], str],
     thread.start()
     try:
         agent = SimpleNamespace(state_provider=None, last_committed_step=-1, welcome=None, collective_timeout_s=5.0,
-                                entering_allreduce=lambda step, qid: None, quorum_gone=lambda qid: False)
+                                entering_allreduce=lambda step, qid, ex: None, quorum_gone=lambda qid: False)
         job = Job(agent, loop, tmp_path, SEED, "w0")  # type: ignore[arg-type]
         engine = ScriptedEngine(job._body, script, verdict_s)
         job.engine = engine  # type: ignore[assignment]

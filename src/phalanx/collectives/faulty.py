@@ -172,6 +172,9 @@ class _DelayedPending:
     def wait_here(self, slice_s: float) -> bool:
         return True  # it enters Gloo from the control loop, after its delay: only the loop waits for it
 
+    def wake(self) -> None:
+        return None
+
     def _give_up(self) -> None:
         """Never touch this group again, nor issue the collective if it is still waiting its delay."""
         self._started.cancel()

@@ -189,6 +189,9 @@ class _SimPending:
     def wait_here(self, slice_s: float) -> bool:
         return True  # it completes on the simulation's loop: nothing to wait for on a thread
 
+    def wake(self) -> None:
+        return None
+
     async def wait(self, timeout_s: float) -> None:
         fut = self._fut
         # A bucket that finished while later ones were still computing needs no timer. Otherwise

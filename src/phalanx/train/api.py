@@ -235,10 +235,10 @@ class Job:
     def _wait_here(self, st: Step, ex: Exchange) -> None:
         """Wait for the step's collectives on this thread (the GIL released) before the vote goes to
         the loop (``Exchange.wait_here``): the control thread is then woken once a step, with the
-        sum complete, and no Python runs on Gloo's thread. A broken quorum or a lost coordinator
-        stops the wait within a slice (5 ms); the vote then says what happened, as before."""
+        sum complete. A broken quorum or a lost coordinator wakes the wait at once (the control
+        loop, ``WorkerAgent.entering_allreduce``); the vote then says what happened, as before."""
         agent, qid = self.agent, st.quorum_id
-        agent.entering_allreduce(st.number, qid)
+        agent.entering_allreduce(st.number, qid, ex)
         ex.wait_here(lambda: agent.quorum_gone(qid), agent.collective_timeout_s, time.monotonic)
 
     def _allreduce(self, st: Step, model: torch.nn.Module | None, loss: Any) -> bool:

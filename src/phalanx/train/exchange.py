@@ -19,9 +19,10 @@ from typing import Any
 from phalanx.collectives.process_group import Pending, ProcessGroup
 from phalanx.core.errors import CollectiveError
 
-# How often a body waiting for its collectives looks whether the step is lost: a frozen peer's
-# quorum is broken by the coordinator, and its members go on to the vote this much later at most.
-WAIT_HERE_SLICE_S = 0.005
+# How often a body waiting for its collectives looks whether the step is lost, should nothing wake
+# it: the control loop wakes it (``wake``) when the coordinator breaks the quorum or is lost, and
+# the collective's own completion does; this is the safety net, and the deadline's granularity.
+WAIT_HERE_SLICE_S = 0.05
 
 
 class Exchange:
@@ -63,21 +64,31 @@ class Exchange:
                   slice_s: float = WAIT_HERE_SLICE_S) -> None:
         """On the body's thread, after it has launched everything and before the vote goes to the
         loop: block until every started collective has finished, ``stop()`` says the step is lost
-        (its quorum broken, the coordinator gone: checked between slices of ``slice_s``) or
-        ``timeout_s`` passes. ``complete`` then finds them finished: the loop is woken once, with
-        something to report, and no Python runs on the collective's own thread. What is queued, or
-        finishes only on the loop, is left to ``complete``; the time spent here counts against its
-        deadline (``waited_s``)."""
+        (its quorum broken, the coordinator gone: checked when ``wake`` ends a slice, and between
+        slices of ``slice_s``) or ``timeout_s`` passes. ``complete`` then finds them finished: the
+        loop is woken once, with something to report. What is queued, or finishes only on the
+        loop, is left to ``complete``; the time spent here counts against its deadline
+        (``waited_s``)."""
         with self._lock:
             pending = [] if self.failed or self._queued else list(self._pending)
         t0 = now()
         try:
+            if pending and stop():  # lost before the waker was known: nothing will wake this wait
+                return
             for p in pending:
                 while not p.wait_here(slice_s):
                     if stop() or now() - t0 >= timeout_s:
                         return
         finally:
             self.waited_s = now() - t0
+
+    def wake(self) -> None:
+        """From any thread (the control loop, when the step is lost): a ``wait_here`` under way
+        looks at ``stop()`` now, and one about to start does so before it blocks."""
+        with self._lock:
+            pending = list(self._pending)
+        for p in pending:
+            p.wake()
 
     async def complete(self, timeout_s: float, now: Callable[[], float]) -> None:
         """Issue what was queued, then wait for every collective (one deadline for all).

@@ -36,6 +36,7 @@ class QuorumGroups:
         self._broken: dict[int, str] = {}  # the quorums the coordinator broke (the newest few) -> its reason
         self._racing: dict[asyncio.Task[Any], int] = {}  # tasks awaiting work a broken quorum interrupts -> its id
         self._interrupted: dict[asyncio.Task[Any], Exception] = {}
+        self._body_wait: tuple[int, Exchange] | None = None  # a body waiting on its own thread: (quorum id, its exchange)
 
     @property
     def collective_timeout_s(self) -> float:
@@ -102,7 +103,11 @@ class QuorumGroups:
             self._interrupted.pop(me, None)
 
     def _interrupt(self, quorum_id: int | None, why: Exception) -> None:
-        """Cancel the racing work of ``quorum_id`` (None: all of it), which then raises ``why``."""
+        """Cancel the racing work of ``quorum_id`` (None: all of it), which then raises ``why``,
+        and wake a body waiting for that quorum's collectives on its own thread."""
+        wait = self._body_wait
+        if wait is not None and (quorum_id is None or wait[0] == quorum_id):
+            wait[1].wake()
         for task, qid in list(self._racing.items()):
             if (quorum_id is None or qid == quorum_id) and not task.done() and task not in self._interrupted:
                 self._interrupted[task] = why

@@ -249,9 +249,11 @@ class WorkerAgent(QuorumGroups, Healing):
         return early[0]
 
     # ---- called from a body's own thread (real runs' bridge): one attribute read or store each ----
-    def entering_allreduce(self, step: int, quorum_id: int) -> None:
-        """The body waits for its collectives on its own thread before the vote: the progress
-        watch's mark is set from there, as ``allreduce`` would set it (see _heartbeats)."""
+    def entering_allreduce(self, step: int, quorum_id: int, ex: Exchange) -> None:
+        """The body waits for ``ex``'s collectives on its own thread before the vote: the progress
+        watch's mark is set from there, as ``allreduce`` would set it (see _heartbeats), and a
+        broken quorum or a lost coordinator wakes that wait (``_interrupt``)."""
+        self._body_wait = (quorum_id, ex)
         self._phase_mark = (step, quorum_id, "allreduce", self.host.now())
 
     def quorum_gone(self, quorum_id: int) -> bool:
@@ -271,6 +273,7 @@ class WorkerAgent(QuorumGroups, Healing):
         key = (a.step, a.quorum_id)
         self._decisions[key] = asyncio.get_running_loop().create_future()
         t0 = self.host.now() - ex.waited_s  # the body may have waited for the collectives already
+        self._body_wait = None  # ... and has stopped
         ok, error = True, ""
         # the progress watch's mark goes out only if this phase spans a silence of 2 heartbeat intervals
         # (in place of the heartbeat, see _heartbeats): a fault-free step sends none
