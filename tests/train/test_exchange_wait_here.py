@@ -63,11 +63,17 @@ def test_waits_until_every_collective_is_done_and_counts_the_time():
     asyncio.run(ex.complete(5.0 - ex.waited_s, clock))  # finds them finished
 
 
-def test_a_lost_step_stops_the_wait_between_slices():
-    clock = _Clock()
-    hung = _Slow(clock, None)  # a peer froze: it never finishes
+def _hung_exchange(clock: _Clock) -> tuple[_Slow, Exchange]:
+    """One bucket on the wire whose peer froze: it never finishes."""
+    hung = _Slow(clock, None)
     ex = Exchange(_Group([hung]))
     ex.launch("bucket0")
+    return hung, ex
+
+
+def test_a_lost_step_stops_the_wait_between_slices():
+    clock = _Clock()
+    hung, ex = _hung_exchange(clock)
     lost_after = iter([False, False, False, True])  # looked at before the first slice too
     ex.wait_here(lambda: next(lost_after), 5.0, clock, slice_s=0.01)
     assert hung.waits == 3 and abs(ex.waited_s - 0.03) < 1e-9
@@ -75,9 +81,7 @@ def test_a_lost_step_stops_the_wait_between_slices():
 
 def test_the_wait_ends_at_the_collective_deadline():
     clock = _Clock()
-    hung = _Slow(clock, None)
-    ex = Exchange(_Group([hung]))
-    ex.launch("bucket0")
+    hung, ex = _hung_exchange(clock)
     ex.wait_here(lambda: False, 0.5, clock, slice_s=0.125)
     assert hung.waits == 4 and ex.waited_s == 0.5
 
@@ -100,9 +104,7 @@ def test_queued_or_failed_exchanges_are_left_to_the_loop():
 
 def test_a_step_lost_before_the_wait_does_not_block_at_all():
     clock = _Clock()
-    hung = _Slow(clock, None)
-    ex = Exchange(_Group([hung]))
-    ex.launch("bucket0")
+    hung, ex = _hung_exchange(clock)
     ex.wait_here(lambda: True, 5.0, clock, slice_s=0.01)
     assert hung.waits == 0 and ex.waited_s == 0.0
 
