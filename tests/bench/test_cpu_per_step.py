@@ -9,10 +9,10 @@ from phalanx.bench.training import WARMUP_STEPS, LauncherCpu, cpu_per_step
 
 
 def test_the_warm_up_is_left_out_and_the_workers_and_launcher_add_up():
-    w0 = [1.0] * WARMUP_STEPS + [0.010, 0.012, 0.011]
-    w1 = [2.0] * WARMUP_STEPS + [0.020, 0.020]
+    w0 = [1.0] * WARMUP_STEPS + [0.010, 0.012, 0.011, 0.300]  # the last interval holds the job's end
+    w1 = [2.0] * WARMUP_STEPS + [0.020, 0.020, 0.250]
     assert cpu_per_step([w0, w1], launcher_s=0.005) == pytest.approx(0.011 + 0.020 + 0.005)
-    assert cpu_per_step([[1.0] * WARMUP_STEPS]) == 0.0  # a worker with no step after the warm-up adds nothing
+    assert cpu_per_step([[1.0] * WARMUP_STEPS + [0.3]]) == 0.0  # no step after the warm-up but the end: nothing
 
 
 def test_the_launchers_cpu_is_per_commit_after_the_warm_up(tmp_path):
@@ -28,8 +28,12 @@ def test_the_launchers_cpu_is_per_commit_after_the_warm_up(tmp_path):
         f.write("{}\n" * 10)
         f.flush()
         time.sleep(0.3)
+        t0 = time.process_time()
+        while time.process_time() - t0 < 0.2:  # the job's end: CPU after the last commit is no step's
+            pass
+        time.sleep(0.3)
     per_commit = sampler.per_commit()
-    assert 0.008 <= per_commit <= 0.03, per_commit  # ~0.01 s: 0.1 s over 10 commits (+ the sampler's own)
+    assert 0.008 <= per_commit <= 0.02, per_commit  # ~0.01 s: 0.1 s over 10 commits (+ the sampler's own)
 
 
 def test_no_commit_after_the_warm_up_gives_zero_not_a_division_by_zero(tmp_path):

@@ -52,10 +52,11 @@ def main() -> None:
     if malloc == "tuned":
         host_memory.tune_for_parameters(w.model.parameters())
     model = DistributedDataParallel(w.model)
-    marks, cpu = [], []
+    marks, cpu, own = [], [], []
     for step in range(steps):
         marks.append(time.perf_counter())  # loop top to loop top: everything a step costs
         cpu.append(time.process_time())  # this process's CPU, every thread (Gloo's too)
+        own.append(time.thread_time())  # the training thread's alone (DDP's reducer hooks run on it)
         idx = sharding.shard(step, w.dataset_size, w.global_batch_size, 0, rank, world)
         x, y = w.batch(idx)
         loss = w.loss(model(x), y)
@@ -64,8 +65,10 @@ def main() -> None:
         w.optimizer.zero_grad()
     marks.append(time.perf_counter())
     cpu.append(time.process_time())
+    own.append(time.thread_time())
     with open(f"{out}.cpu{rank}", "w") as f:
-        json.dump({"cpu_s": [b - a for a, b in zip(cpu, cpu[1:])]}, f)
+        json.dump({"cpu_s": [b - a for a, b in zip(cpu, cpu[1:])],
+                   "thread_cpu_s": [b - a for a, b in zip(own, own[1:])]}, f)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"step_s": [b - a for a, b in zip(marks, marks[1:])], "parameters": w.parameters,

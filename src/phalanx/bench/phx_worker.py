@@ -29,11 +29,12 @@ def main() -> None:
     w = build(name, device)
     job = phalanx.join()
     job.track(model=w.model, optimizer=w.optimizer)
-    marks, cpu = [], []
+    marks, cpu, own = [], [], []
     loss = torch.zeros(())
     for step in job.steps(steps):
         marks.append(time.perf_counter())
         cpu.append(time.process_time())  # this process's CPU, every thread (control and Gloo's too)
+        own.append(time.thread_time())  # the training thread's alone
         idx = step.shard(w.dataset_size, w.global_batch_size)
         x, y = w.batch(idx)
         loss = w.loss(w.model(x), y)
@@ -43,11 +44,13 @@ def main() -> None:
         w.optimizer.zero_grad()
     marks.append(time.perf_counter())
     cpu.append(time.process_time())
+    own.append(time.thread_time())
     digest = hashlib.sha256()
     for p in w.model.parameters():  # the final model, to compare workers
         digest.update(p.detach().cpu().numpy().tobytes())
     (job.run_dir / "workers" / f"{job.worker_id}.steps.json").write_text(json.dumps(
         {"step_s": [b - a for a, b in zip(marks, marks[1:])], "cpu_s": [b - a for a, b in zip(cpu, cpu[1:])],
+         "thread_cpu_s": [b - a for a, b in zip(own, own[1:])],
          "parameters": w.parameters, "device": device,
          "final_loss": loss.item(), "params_sha256": digest.hexdigest(), "retried": job.counters.steps_retried}))
     job.close()

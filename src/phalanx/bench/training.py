@@ -15,7 +15,9 @@ runs the three systems back to back in a rotating order, so the machine's noise 
 a ratio is phalanx / DDP within one repeat, and every pair is reported. A second table gives the
 CPU a step costs the whole job (every process and thread, the coordinator's launcher included;
 ``cpu_per_step``): where the step's ratio is above the CPU's, the rest is time the job's cores
-waited on the step's critical path, not work.
+waited on the step's critical path, not work. A third splits that CPU into the workers' training
+threads (the user's loop: forward, backward, optimizer, DDP's reducer hooks or phalanx's hooks and
+wait) and the rest (Gloo's threads, phalanx's control threads and coordinator).
 
 Both sides' processes get the same glibc malloc thresholds (train/host_memory.py: ``job.track()``
 sets them for phalanx's workers, the DDP worker sets the same), so the ratio is the protocols' cost.
@@ -65,8 +67,9 @@ FAULTS = {
 
 
 def run_ddp(workers: int, steps: int, workload: str = "charlm", malloc: str = "tuned",
-            sched: str = "tuned") -> tuple[list[float], float]:
-    """Rank 0's step times, and the CPU a step costs (every rank's, summed; ``cpu_per_step``)."""
+            sched: str = "tuned") -> tuple[list[float], float, float]:
+    """Rank 0's step times, the CPU a step costs (every rank's, summed; ``cpu_per_step``) and the
+    part of it on the ranks' training threads."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -78,23 +81,28 @@ def run_ddp(workers: int, steps: int, workload: str = "charlm", malloc: str = "t
         for p in procs:
             if p.wait(timeout=900) != 0:
                 raise RuntimeError(f"DDP worker exited with {p.returncode}")
-        cpu = [json.loads(Path(f"{out}.cpu{r}").read_text())["cpu_s"] for r in range(workers)]
-        return json.loads(out.read_text())["step_s"], cpu_per_step(cpu)
+        cpu = [json.loads(Path(f"{out}.cpu{r}").read_text()) for r in range(workers)]
+        return (json.loads(out.read_text())["step_s"], cpu_per_step([c["cpu_s"] for c in cpu]),
+                cpu_per_step([c["thread_cpu_s"] for c in cpu]))
 
 
 def cpu_per_step(per_worker: list[list[float]], launcher_s: float = 0.0) -> float:
     """The CPU seconds one step costs the whole job: each worker process's mean over its steps
     after the warm-up (every thread: training, control, Gloo's), summed, plus the launcher's
     (phalanx's coordinator) per commit. On a box with fewer cores than busy threads a step's time
-    follows this; where it does not, the rest is waiting (cores idle on the step's critical path)."""
-    means = [statistics.fmean(xs[WARMUP_STEPS:]) for xs in per_worker if len(xs) > WARMUP_STEPS]
+    follows this; where it does not, the rest is waiting (cores idle on the step's critical path).
+
+    A worker's last interval is left out, for DDP and phalanx alike: it ends after the loop has
+    exited, so for phalanx it holds the job's end (the final checkpoint, written once by one worker:
+    0.26 s of CPU for the 6 M MLP, which over 35 steps read as 7 ms a step), not a step."""
+    means = [statistics.fmean(xs[WARMUP_STEPS:-1]) for xs in per_worker if len(xs) > WARMUP_STEPS + 1]
     return sum(means) + launcher_s
 
 
 class LauncherCpu:
     """This process's CPU per commit while it runs a job's coordinator (``launch`` runs it here):
     sampled every 0.1 s against the count of ``RUN/commits.jsonl``, from the warm-up's last commit
-    to the last sample before the job ended."""
+    to the sample that first saw the last commit (the job's end after it is not a step's cost)."""
 
     def __init__(self, run_dir: Path) -> None:
         self._log, self._stop = run_dir / "commits.jsonl", threading.Event()
@@ -116,7 +124,8 @@ class LauncherCpu:
             sample = (seen, time.process_time())
             if self._first is None and seen >= WARMUP_STEPS:
                 self._first = sample
-            self._last = sample
+            elif self._last is None or seen > self._last[0]:
+                self._last = sample
 
     def per_commit(self) -> float:
         self._stop.set()
@@ -141,17 +150,19 @@ def run_phalanx(workers: int, steps: int, run_dir: Path, plan_text: str = "", wo
 
 
 def _phalanx_step_s(workers: int, steps: int, run_dir: Path, workload: str,
-                    mode: str) -> tuple[list[float], int, float]:
+                    mode: str) -> tuple[list[float], int, float, float]:
     """The cluster's step times (commit to commit, the coordinator's record: what DDP's rank-0 loop
     time is for DDP; a worker's own loop can skip steps in available mode when it falls behind and
-    heals), the steps retried, and the CPU a step costs (``cpu_per_step``)."""
+    heals), the steps retried, the CPU a step costs (``cpu_per_step``) and the part of it on the
+    workers' training threads."""
     launcher = LauncherCpu(run_dir)
     try:
         res = run_phalanx(workers, steps, run_dir, workload=workload, mode=mode)
     finally:
         launcher_s = launcher.per_commit()
-    cpu = [json.loads(f.read_text()).get("cpu_s", []) for f in sorted((run_dir / "workers").glob("*.steps.json"))]
-    return [c.step_s for c in res.commits], res.steps_retried, cpu_per_step(cpu, launcher_s)
+    logs = [json.loads(f.read_text()) for f in sorted((run_dir / "workers").glob("*.steps.json"))]
+    return ([c.step_s for c in res.commits], res.steps_retried, cpu_per_step([w.get("cpu_s", []) for w in logs], launcher_s),
+            cpu_per_step([w.get("thread_cpu_s", []) for w in logs]))
 
 
 def _spread(xs: list[float]) -> str:
@@ -181,6 +192,7 @@ def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: C
         for n in worker_counts:
             med: dict[str, list[float]] = {s: [] for s in systems}
             cpu: dict[str, list[float]] = {s: [] for s in systems}  # CPU seconds a step, all processes
+            own: dict[str, list[float]] = {s: [] for s in systems}  # the part on the training threads
             retries: dict[str, list[int]] = {s: [] for s in PHALANX_SYSTEMS}
             for r in range(repeats):
                 k = r % len(systems)
@@ -190,15 +202,16 @@ def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: C
                     con.print(f"[{done}/{total}] {name}, {n} workers, repeat {r + 1}: {system}")
                     steps = STEPS.get(name, 40)
                     if system in DDP_SETUPS:
-                        step_s, cpu_s = run_ddp(n, steps, name, *DDP_SETUPS[system])
+                        step_s, cpu_s, own_s = run_ddp(n, steps, name, *DDP_SETUPS[system])
                     else:
-                        step_s, retried, cpu_s = _phalanx_step_s(n, steps, tmp / f"{name}-{n}-{system}-{r}", name,
-                                                                 system)
+                        step_s, retried, cpu_s, own_s = _phalanx_step_s(n, steps, tmp / f"{name}-{n}-{system}-{r}",
+                                                                        name, system)
                         retries[system].append(retried)
                     med[system].append(statistics.median(step_s[WARMUP_STEPS:]))
                     cpu[system].append(cpu_s)
+                    own[system].append(own_s)
             row: dict[str, Any] = {"workload": name, "workers": n, "median_step_s": med, "cpu_per_step_s": cpu,
-                                   "steps_retried": retries}
+                                   "training_thread_cpu_per_step_s": own, "steps_retried": retries}
             for system, peer in _ratio_pairs(systems):
                 key = _ratio_key(system, peer)
                 for what, values in (("", med), ("cpu_", cpu)):
@@ -237,12 +250,28 @@ def _ratio_table(rows: list[dict[str, Any]], systems: tuple[str, ...], title: st
     Console(width=max(Console().width, 240)).print(t)
 
 
+def _split_table(rows: list[dict[str, Any]], systems: tuple[str, ...]) -> None:
+    """Where each system's CPU a step goes: the workers' training threads (forward, backward, the
+    optimizer; DDP's reducer hooks; phalanx's hooks and its wait for the collectives) against the
+    rest (Gloo's threads, phalanx's control threads and coordinator). Medians over the repeats."""
+    t = Table(title="CPU a step, split: training threads + the rest (ms, median over the repeats)")
+    for col in ("workload", "workers", *systems):
+        t.add_column(col, no_wrap=True)
+    for row in rows:
+        own, cpu = row["training_thread_cpu_per_step_s"], row["cpu_per_step_s"]
+        t.add_row(row["workload"], str(row["workers"]),
+                  *(f"{statistics.median(own[s]) * 1000:.1f} + {statistics.median([c - o for c, o in zip(cpu[s], own[s])]) * 1000:.1f}"
+                    for s in systems))
+    Console(width=max(Console().width, 240)).print(t)
+
+
 def _print_tables(rows: list[dict[str, Any]], systems: tuple[str, ...], faults: dict[str, Any]) -> None:
     """The step table, the CPU table and the faults' detection and recovery."""
     _ratio_table(rows, systems, "phalanx vs torch DDP (Gloo): median step, ratio per alternating pair",
                  "median_step_s", "", "ms")
     _ratio_table(rows, systems, "CPU a step costs the whole job (all processes, every thread): median, ratio per pair",
                  "cpu_per_step_s", "cpu_", "cpu ms")
+    _split_table(rows, systems)
     if faults:
         ft = Table(title="detection and recovery (4 workers, bundled model): median (range)")
         ft.add_column("fault")
