@@ -38,3 +38,28 @@ def test_the_launchers_cpu_is_per_commit_after_the_warm_up(tmp_path):
 
 def test_no_commit_after_the_warm_up_gives_zero_not_a_division_by_zero(tmp_path):
     assert LauncherCpu(tmp_path).per_commit() == 0.0
+
+
+def test_the_step_clock_splits_the_training_threads_cpu_from_the_processes():
+    import threading
+
+    from phalanx.bench.step_clock import StepClock
+
+    def burn(s: float) -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < s:
+            pass
+
+    clock = StepClock()
+    clock.mark()
+    other = threading.Thread(target=burn, args=(0.1,))  # another thread's CPU: the process's, not this thread's
+    other.start()
+    other.join()
+    burn(0.05)
+    clock.mark()
+    clock.mark()  # the end: an empty interval
+    timed = clock.intervals()
+    assert [len(v) for v in timed.values()] == [2, 2, 2]
+    assert timed["thread_cpu_s"][0] == pytest.approx(0.05, abs=0.02)
+    assert timed["cpu_s"][0] == pytest.approx(0.15, abs=0.03)
+    assert timed["step_s"][0] >= timed["cpu_s"][0] - 0.01  # one core at most busy at a time here

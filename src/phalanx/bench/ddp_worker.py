@@ -19,12 +19,12 @@ import json
 import os
 import sys
 import threading
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from phalanx.bench.step_clock import StepClock
 from phalanx.bench.workloads import build
 from phalanx.runtime.worker_join import mark_compute_thread, mark_control_thread
 from phalanx.train import host_memory, sharding
@@ -52,26 +52,22 @@ def main() -> None:
     if malloc == "tuned":
         host_memory.tune_for_parameters(w.model.parameters())
     model = DistributedDataParallel(w.model)
-    marks, cpu, own = [], [], []
+    clock = StepClock()
     for step in range(steps):
-        marks.append(time.perf_counter())  # loop top to loop top: everything a step costs
-        cpu.append(time.process_time())  # this process's CPU, every thread (Gloo's too)
-        own.append(time.thread_time())  # the training thread's alone (DDP's reducer hooks run on it)
+        clock.mark()  # loop top to loop top: everything a step costs
         idx = sharding.shard(step, w.dataset_size, w.global_batch_size, 0, rank, world)
         x, y = w.batch(idx)
         loss = w.loss(model(x), y)
         loss.backward()  # DDP averages over ranks: equal shards make it the global-batch mean
         w.optimizer.step()
         w.optimizer.zero_grad()
-    marks.append(time.perf_counter())
-    cpu.append(time.process_time())
-    own.append(time.thread_time())
+    clock.mark()
+    timed = clock.intervals()
     with open(f"{out}.cpu{rank}", "w") as f:
-        json.dump({"cpu_s": [b - a for a, b in zip(cpu, cpu[1:])],
-                   "thread_cpu_s": [b - a for a, b in zip(own, own[1:])]}, f)
+        json.dump({"cpu_s": timed["cpu_s"], "thread_cpu_s": timed["thread_cpu_s"]}, f)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"step_s": [b - a for a, b in zip(marks, marks[1:])], "parameters": w.parameters,
+            json.dump({"step_s": timed["step_s"], "parameters": w.parameters,
                        "final_loss": loss.item()}, f)
     dist.destroy_process_group()
     os._exit(0)

@@ -12,11 +12,11 @@ import hashlib
 import json
 import os
 import sys
-import time
 
 import torch
 
 import phalanx
+from phalanx.bench.step_clock import StepClock
 from phalanx.bench.workloads import build
 
 
@@ -29,12 +29,10 @@ def main() -> None:
     w = build(name, device)
     job = phalanx.join()
     job.track(model=w.model, optimizer=w.optimizer)
-    marks, cpu, own = [], [], []
+    clock = StepClock()
     loss = torch.zeros(())
     for step in job.steps(steps):
-        marks.append(time.perf_counter())
-        cpu.append(time.process_time())  # this process's CPU, every thread (control and Gloo's too)
-        own.append(time.thread_time())  # the training thread's alone
+        clock.mark()
         idx = step.shard(w.dataset_size, w.global_batch_size)
         x, y = w.batch(idx)
         loss = w.loss(w.model(x), y)
@@ -42,16 +40,12 @@ def main() -> None:
         step.allreduce_gradients(w.model, loss=loss)
         w.optimizer.step()
         w.optimizer.zero_grad()
-    marks.append(time.perf_counter())
-    cpu.append(time.process_time())
-    own.append(time.thread_time())
+    clock.mark()
     digest = hashlib.sha256()
     for p in w.model.parameters():  # the final model, to compare workers
         digest.update(p.detach().cpu().numpy().tobytes())
     (job.run_dir / "workers" / f"{job.worker_id}.steps.json").write_text(json.dumps(
-        {"step_s": [b - a for a, b in zip(marks, marks[1:])], "cpu_s": [b - a for a, b in zip(cpu, cpu[1:])],
-         "thread_cpu_s": [b - a for a, b in zip(own, own[1:])],
-         "parameters": w.parameters, "device": device,
+        {**clock.intervals(), "parameters": w.parameters, "device": device,
          "final_loss": loss.item(), "params_sha256": digest.hexdigest(), "retried": job.counters.steps_retried}))
     job.close()
 
