@@ -63,3 +63,76 @@ def test_the_step_clock_splits_the_training_threads_cpu_from_the_processes():
     assert timed["thread_cpu_s"][0] == pytest.approx(0.05, abs=0.02)
     assert timed["cpu_s"][0] == pytest.approx(0.15, abs=0.03)
     assert timed["step_s"][0] >= timed["cpu_s"][0] - 0.01  # one core at most busy at a time here
+
+
+def _burn(s: float) -> None:
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < s:
+        pass
+
+
+def _named_burner(name: str, os_name: str, s: float) -> "threading.Thread":
+    """A thread called ``name`` in Python and ``os_name`` by the OS (as torch names Gloo's threads)
+    that burns ``s`` of CPU and then waits to be joined, so it is still in /proc when read."""
+    import threading
+
+    burned, done = threading.Event(), threading.Event()
+
+    def run() -> None:
+        if os_name:
+            with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+                f.write(os_name)
+        _burn(s)
+        burned.set()
+        done.wait(30)
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    t.burned, t.done = burned, done  # type: ignore[attr-defined]
+    return t
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_the_step_clock_splits_the_cpu_by_thread_kind_between_its_two_readings():
+    from phalanx.bench.step_clock import StepClock
+    from phalanx.runtime.worker_join import CONTROL_THREAD_NAME
+
+    clock = StepClock()
+    clock.mark()  # warm-up: not read by thread
+    clock.mark(by_thread=True)
+    threads = [_named_burner(CONTROL_THREAD_NAME, "", 0.2), _named_burner("g", "gloo_tcp_loop", 0.3),
+               _named_burner("x", "", 0.1)]
+    _burn(0.4)
+    clock.mark()
+    for t in threads:  # each thread's CPU counts, not the wall: wait until they have burned theirs
+        assert t.burned.wait(30)
+    clock.mark(by_thread=True)  # two steps since the first reading
+    clock.mark()  # the end
+    split = clock.intervals()["cpu_by_thread_s"]
+    for t in threads:
+        t.done.set()
+        t.join()
+    assert set(split) == {"training", "gloo", "control", "other"}
+    assert split["training"] == pytest.approx(0.4 / 2, abs=0.03)
+    assert split["control"] == pytest.approx(0.2 / 2, abs=0.03)
+    assert split["gloo"] == pytest.approx(0.3 / 2, abs=0.03)
+    assert split["other"] == pytest.approx(0.1 / 2, abs=0.03)
+
+
+def test_one_reading_gives_no_split():
+    from phalanx.bench.step_clock import StepClock
+
+    clock = StepClock()
+    clock.mark(by_thread=True)
+    clock.mark()
+    assert "cpu_by_thread_s" not in clock.intervals()
+
+
+def test_the_jobs_split_sums_the_workers_and_adds_the_coordinator():
+    from phalanx.bench.training import cpu_by_thread
+
+    w = {"training": 0.020, "gloo": 0.002, "control": 0.001, "other": 0.0}
+    assert cpu_by_thread([w, w], coordinator_s=0.003) == pytest.approx(
+        {"training": 0.040, "gloo": 0.004, "control": 0.002, "other": 0.0, "coordinator": 0.003})
+    assert cpu_by_thread([w, None]) == {}  # a partial sum would read as a cheaper job
+    assert cpu_by_thread([w, {}]) == {}

@@ -16,7 +16,7 @@ import sys
 import torch
 
 import phalanx
-from phalanx.bench.step_clock import StepClock
+from phalanx.bench.step_clock import WARMUP_STEPS, StepClock
 from phalanx.bench.workloads import build
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     clock = StepClock()
     loss = torch.zeros(())
     for step in job.steps(steps):
-        clock.mark()
+        clock.mark(by_thread=step.number in (WARMUP_STEPS, steps - 1))  # the measured steps' ends
         idx = step.shard(w.dataset_size, w.global_batch_size)
         x, y = w.batch(idx)
         loss = w.loss(w.model(x), y)

@@ -15,9 +15,10 @@ runs the three systems back to back in a rotating order, so the machine's noise 
 a ratio is phalanx / DDP within one repeat, and every pair is reported. A second table gives the
 CPU a step costs the whole job (every process and thread, the coordinator's launcher included;
 ``cpu_per_step``): where the step's ratio is above the CPU's, the rest is time the job's cores
-waited on the step's critical path, not work. A third splits that CPU into the workers' training
-threads (the user's loop: forward, backward, optimizer, DDP's reducer hooks or phalanx's hooks and
-wait) and the rest (Gloo's threads, phalanx's control threads and coordinator).
+waited on the step's critical path, not work. A third splits that CPU by thread: the workers'
+training threads (the user's loop: forward, backward, optimizer, DDP's reducer hooks or phalanx's
+hooks and wait), Gloo's threads, phalanx's control threads, the coordinator and the rest (each
+worker reads its threads' CPU from /proc at the first measured step and the last: ``StepClock``).
 
 Both sides' processes get the same glibc malloc thresholds (train/host_memory.py: ``job.track()``
 sets them for phalanx's workers, the DDP worker sets the same), so the ratio is the protocols' cost.
@@ -48,12 +49,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from phalanx.bench.step_clock import THREAD_KINDS, WARMUP_STEPS
 from phalanx.bench.workloads import WORKLOADS
 from phalanx.core.modes import ConsistencyMode, ModeConfig
 from phalanx.faults.plan import parse_fault_plan
 from phalanx.runtime.launcher import LaunchConfig, launch, python_argv
 
-WARMUP_STEPS = 5
 STEPS = {"charlm": 60, "mlp-6m": 40, "mlp-25m": 25}
 SYSTEMS = ("ddp", "strict", "available")
 # DDP's setups, (malloc, scheduling): "tuned" is as phalanx's workers have it, "default" as plain DDP runs
@@ -67,9 +68,9 @@ FAULTS = {
 
 
 def run_ddp(workers: int, steps: int, workload: str = "charlm", malloc: str = "tuned",
-            sched: str = "tuned") -> tuple[list[float], float, float]:
-    """Rank 0's step times, the CPU a step costs (every rank's, summed; ``cpu_per_step``) and the
-    part of it on the ranks' training threads."""
+            sched: str = "tuned") -> tuple[list[float], float, float, dict[str, float]]:
+    """Rank 0's step times, the CPU a step costs (every rank's, summed; ``cpu_per_step``), the
+    part of it on the ranks' training threads, and all of it by thread kind (``cpu_by_thread``)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -83,7 +84,7 @@ def run_ddp(workers: int, steps: int, workload: str = "charlm", malloc: str = "t
                 raise RuntimeError(f"DDP worker exited with {p.returncode}")
         cpu = [json.loads(Path(f"{out}.cpu{r}").read_text()) for r in range(workers)]
         return (json.loads(out.read_text())["step_s"], cpu_per_step([c["cpu_s"] for c in cpu]),
-                cpu_per_step([c["thread_cpu_s"] for c in cpu]))
+                cpu_per_step([c["thread_cpu_s"] for c in cpu]), cpu_by_thread([c.get("cpu_by_thread_s") for c in cpu]))
 
 
 def cpu_per_step(per_worker: list[list[float]], launcher_s: float = 0.0) -> float:
@@ -97,6 +98,18 @@ def cpu_per_step(per_worker: list[list[float]], launcher_s: float = 0.0) -> floa
     0.26 s of CPU for the 6 M MLP, which over 35 steps read as 7 ms a step), not a step."""
     means = [statistics.fmean(xs[WARMUP_STEPS:-1]) for xs in per_worker if len(xs) > WARMUP_STEPS + 1]
     return sum(means) + launcher_s
+
+
+def cpu_by_thread(per_worker: list[dict[str, float] | None], coordinator_s: float = 0.0) -> dict[str, float]:
+    """The CPU a step costs the whole job by kind of thread: each worker's (``StepClock``'s
+    ``cpu_by_thread_s``: training, Gloo's, phalanx's control thread, other) summed, and the
+    coordinator's (the launcher's per commit; 0 for DDP, which has none). {} when a worker could not
+    read its threads (no ``/proc``): a partial sum would read as a cheaper job."""
+    if not per_worker or any(not w for w in per_worker):
+        return {}
+    out = {k: sum(w.get(k, 0.0) for w in per_worker if w) for k in THREAD_KINDS}
+    out["coordinator"] = coordinator_s
+    return out
 
 
 class LauncherCpu:
@@ -150,11 +163,11 @@ def run_phalanx(workers: int, steps: int, run_dir: Path, plan_text: str = "", wo
 
 
 def _phalanx_step_s(workers: int, steps: int, run_dir: Path, workload: str,
-                    mode: str) -> tuple[list[float], int, float, float]:
+                    mode: str) -> tuple[list[float], int, float, float, dict[str, float]]:
     """The cluster's step times (commit to commit, the coordinator's record: what DDP's rank-0 loop
     time is for DDP; a worker's own loop can skip steps in available mode when it falls behind and
     heals), the steps retried, the CPU a step costs (``cpu_per_step``) and the part of it on the
-    workers' training threads."""
+    workers' training threads, and all of it by thread kind (``cpu_by_thread``)."""
     launcher = LauncherCpu(run_dir)
     try:
         res = run_phalanx(workers, steps, run_dir, workload=workload, mode=mode)
@@ -162,7 +175,8 @@ def _phalanx_step_s(workers: int, steps: int, run_dir: Path, workload: str,
         launcher_s = launcher.per_commit()
     logs = [json.loads(f.read_text()) for f in sorted((run_dir / "workers").glob("*.steps.json"))]
     return ([c.step_s for c in res.commits], res.steps_retried, cpu_per_step([w.get("cpu_s", []) for w in logs], launcher_s),
-            cpu_per_step([w.get("thread_cpu_s", []) for w in logs]))
+            cpu_per_step([w.get("thread_cpu_s", []) for w in logs]),
+            cpu_by_thread([w.get("cpu_by_thread_s") for w in logs], launcher_s))
 
 
 def _spread(xs: list[float]) -> str:
@@ -193,6 +207,7 @@ def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: C
             med: dict[str, list[float]] = {s: [] for s in systems}
             cpu: dict[str, list[float]] = {s: [] for s in systems}  # CPU seconds a step, all processes
             own: dict[str, list[float]] = {s: [] for s in systems}  # the part on the training threads
+            kinds: dict[str, list[dict[str, float]]] = {s: [] for s in systems}  # all of it, by thread kind
             retries: dict[str, list[int]] = {s: [] for s in PHALANX_SYSTEMS}
             for r in range(repeats):
                 k = r % len(systems)
@@ -202,16 +217,18 @@ def compare(workloads: list[str], worker_counts: list[int], repeats: int, con: C
                     con.print(f"[{done}/{total}] {name}, {n} workers, repeat {r + 1}: {system}")
                     steps = STEPS.get(name, 40)
                     if system in DDP_SETUPS:
-                        step_s, cpu_s, own_s = run_ddp(n, steps, name, *DDP_SETUPS[system])
+                        step_s, cpu_s, own_s, by_kind = run_ddp(n, steps, name, *DDP_SETUPS[system])
                     else:
-                        step_s, retried, cpu_s, own_s = _phalanx_step_s(n, steps, tmp / f"{name}-{n}-{system}-{r}",
-                                                                        name, system)
+                        step_s, retried, cpu_s, own_s, by_kind = _phalanx_step_s(
+                            n, steps, tmp / f"{name}-{n}-{system}-{r}", name, system)
                         retries[system].append(retried)
                     med[system].append(statistics.median(step_s[WARMUP_STEPS:]))
                     cpu[system].append(cpu_s)
                     own[system].append(own_s)
+                    kinds[system].append(by_kind)
             row: dict[str, Any] = {"workload": name, "workers": n, "median_step_s": med, "cpu_per_step_s": cpu,
-                                   "training_thread_cpu_per_step_s": own, "steps_retried": retries}
+                                   "training_thread_cpu_per_step_s": own, "cpu_by_thread_per_step_s": kinds,
+                                   "steps_retried": retries}
             for system, peer in _ratio_pairs(systems):
                 key = _ratio_key(system, peer)
                 for what, values in (("", med), ("cpu_", cpu)):
@@ -250,18 +267,24 @@ def _ratio_table(rows: list[dict[str, Any]], systems: tuple[str, ...], title: st
     Console(width=max(Console().width, 240)).print(t)
 
 
+SPLIT_KINDS = ("training", "gloo", "control", "coordinator", "other")
+
+
 def _split_table(rows: list[dict[str, Any]], systems: tuple[str, ...]) -> None:
-    """Where each system's CPU a step goes: the workers' training threads (forward, backward, the
-    optimizer; DDP's reducer hooks; phalanx's hooks and its wait for the collectives) against the
-    rest (Gloo's threads, phalanx's control threads and coordinator). Medians over the repeats."""
-    t = Table(title="CPU a step, split: training threads + the rest (ms, median over the repeats)")
-    for col in ("workload", "workers", *systems):
+    """Where each system's CPU a step goes, by thread: the workers' training threads (forward,
+    backward, the optimizer; DDP's reducer hooks; phalanx's hooks and its wait for the collectives),
+    Gloo's threads, phalanx's control threads (the step's messages, heartbeats, bookkeeping), the
+    coordinator (the launcher's process) and the workers' other threads. Medians over the repeats
+    (so they need not add up to the total exactly); "-" where a run could not read its threads."""
+    t = Table(title="CPU a step by thread (ms, median over the repeats; all workers summed)")
+    for col in ("workload", "workers", "system", *SPLIT_KINDS, "total"):
         t.add_column(col, no_wrap=True)
     for row in rows:
-        own, cpu = row["training_thread_cpu_per_step_s"], row["cpu_per_step_s"]
-        t.add_row(row["workload"], str(row["workers"]),
-                  *(f"{statistics.median(own[s]) * 1000:.1f} + {statistics.median([c - o for c, o in zip(cpu[s], own[s])]) * 1000:.1f}"
-                    for s in systems))
+        for s in systems:
+            runs = [k for k in row.get("cpu_by_thread_per_step_s", {}).get(s, []) if k]
+            cells = [f"{statistics.median(k[kind] for k in runs) * 1000:.1f}" if runs else "-" for kind in SPLIT_KINDS]
+            total = f"{statistics.median(sum(k.values()) for k in runs) * 1000:.1f}" if runs else "-"
+            t.add_row(row["workload"], str(row["workers"]), s, *cells, total)
     Console(width=max(Console().width, 240)).print(t)
 
 

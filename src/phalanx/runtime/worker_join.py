@@ -26,6 +26,7 @@ from phalanx.transport.real_host import RealHost
 from phalanx.transport.tcp import TcpTransport, TlsFiles
 
 
+CONTROL_THREAD_NAME = "phalanx-control"  # the thread that runs the worker's event loop (benchmarks find it by name)
 COMPUTE_NICE_DEFAULT = 10
 
 
@@ -126,7 +127,7 @@ def join(**overrides: Any) -> Job:
         marked.set_result(mark_control_thread(batch))  # before the loop starts any thread
         loop.run_forever()
 
-    thread = threading.Thread(target=control, name="phalanx-control", daemon=True)
+    thread = threading.Thread(target=control, name=CONTROL_THREAD_NAME, daemon=True)
     thread.start()
     compute = mark_compute_thread(env)  # after the control thread started: it keeps its priority
     transport = TcpTransport(token, name=worker_id, tls=TlsFiles.from_env(env))  # TLS if PHALANX_TLS_* are set
