@@ -5,7 +5,7 @@ one run with alternating repeats, on the bundled model and MLPs of ~6 M and ~25 
 
     python -m phalanx.bench training [--workloads charlm,mlp-6m,mlp-25m] [--workers 2,4]
                                      [--repeats 3] [--ddp-malloc tuned|both] [--ddp-sched tuned|both]
-                                     [--fault-repeats 3] [--no-faults]
+                                     [--fault-repeats 3] [--no-faults] [--ddp-again]
                                      [--out runs/bench/training.json]
 
 Both sides run the same model, batches and optimizer, one thread per process. A step's time is the
@@ -30,7 +30,8 @@ Their threads are scheduled alike too: DDP's process group is built on a thread 
 (runtime/worker_join.py). On a box with fewer cores than busy threads that makes DDP itself
 faster, so "ddp" is the stricter peer. "ddp-os-sched" (on by default; ``--ddp-sched tuned`` leaves
 it out) is DDP under the OS's default scheduling, as a user runs it, and the table gives phalanx's
-ratio to it as well.
+ratio to it as well. ``--ddp-again`` runs "ddp" once more in every repeat (an A/A control): its
+ratio to "ddp" is what the machine's noise alone does to a ratio, the floor under every other.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ from phalanx.runtime.launcher import LaunchConfig, launch, python_argv
 STEPS = {"charlm": 60, "mlp-6m": 40, "mlp-25m": 25}
 SYSTEMS = ("ddp", "strict", "available")
 # DDP's setups, (malloc, scheduling): "tuned" is as phalanx's workers have it, "default" as plain DDP runs
-DDP_SETUPS = {"ddp": ("tuned", "tuned"), "ddp-glibc": ("default", "tuned"), "ddp-os-sched": ("tuned", "default")}
+# "ddp-again" is "ddp" run once more (an A/A control, ``--ddp-again``): its ratio to "ddp" is what this
+# machine's noise alone does to a ratio whose true value is 1
+DDP_SETUPS = {"ddp": ("tuned", "tuned"), "ddp-glibc": ("default", "tuned"), "ddp-os-sched": ("tuned", "default"),
+              "ddp-again": ("tuned", "tuned")}
 PHALANX_SYSTEMS = ("strict", "available")
 FAULTS = {
     "kill": '[[fault]]\nkind = "kill"\nworker = 1\nat_step = 30\nrestart = true\n',
@@ -319,6 +323,9 @@ def main() -> int:
     ap.add_argument("--ddp-sched", choices=("tuned", "both"), default="both",
                     help="both (the default): also run DDP under the OS's default thread scheduling "
                          "(ddp-os-sched); tuned: only DDP scheduled as phalanx's workers are")
+    ap.add_argument("--ddp-again", action="store_true",
+                    help="also run DDP a second time, set up exactly as 'ddp' (an A/A control): its ratio to "
+                         "'ddp' shows how far this machine's noise alone moves a ratio whose true value is 1")
     ap.add_argument("--out", default="runs/bench/training.json")
     args = ap.parse_args()
     con = Console(stderr=True)
@@ -335,7 +342,7 @@ def main() -> int:
                                        "partial": True, "rows": rows}, indent=2))
 
         systems = SYSTEMS + (("ddp-glibc",) if args.ddp_malloc == "both" else ()) + \
-            (("ddp-os-sched",) if args.ddp_sched == "both" else ())
+            (("ddp-os-sched",) if args.ddp_sched == "both" else ()) + (("ddp-again",) if args.ddp_again else ())
         rows = compare(workloads, counts, args.repeats, con, Path(tmp), save, systems)
         records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in FAULTS}
         for i in range(0 if args.no_faults else max(args.fault_repeats, 1)):
