@@ -1,6 +1,7 @@
 """The training benchmark's CPU a step: every worker process's mean after the warm-up, summed, plus
 the launcher's (coordinator's) CPU per commit, sampled against the run's commit log."""
 
+import os
 import time
 
 import pytest
@@ -92,7 +93,7 @@ def _named_burner(name: str, os_name: str, s: float) -> "threading.Thread":
     return t
 
 
-@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux /proc")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 def test_the_step_clock_splits_the_cpu_by_thread_kind_between_its_two_readings():
     from phalanx.bench.step_clock import StepClock
     from phalanx.runtime.worker_join import CONTROL_THREAD_NAME

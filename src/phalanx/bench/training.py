@@ -109,11 +109,10 @@ def cpu_by_thread(per_worker: list[dict[str, float] | None], coordinator_s: floa
     ``cpu_by_thread_s``: training, Gloo's, phalanx's control thread, other) summed, and the
     coordinator's (the launcher's per commit; 0 for DDP, which has none). {} when a worker could not
     read its threads (no ``/proc``): a partial sum would read as a cheaper job."""
-    if not per_worker or any(not w for w in per_worker):
+    workers = [w for w in per_worker if w]
+    if not per_worker or len(workers) < len(per_worker):
         return {}
-    out = {k: sum(w.get(k, 0.0) for w in per_worker if w) for k in THREAD_KINDS}
-    out["coordinator"] = coordinator_s
-    return out
+    return {**{k: sum(w[k] for w in workers) for k in THREAD_KINDS}, "coordinator": coordinator_s}
 
 
 class LauncherCpu:
@@ -271,7 +270,7 @@ def _ratio_table(rows: list[dict[str, Any]], systems: tuple[str, ...], title: st
     Console(width=max(Console().width, 240)).print(t)
 
 
-SPLIT_KINDS = ("training", "gloo", "control", "coordinator", "other")
+SPLIT_KINDS = (*THREAD_KINDS, "coordinator")  # cpu_by_thread's keys
 
 
 def _split_table(rows: list[dict[str, Any]], systems: tuple[str, ...]) -> None:
@@ -285,7 +284,7 @@ def _split_table(rows: list[dict[str, Any]], systems: tuple[str, ...]) -> None:
         t.add_column(col, no_wrap=True)
     for row in rows:
         for s in systems:
-            runs = [k for k in row.get("cpu_by_thread_per_step_s", {}).get(s, []) if k]
+            runs = [k for k in row["cpu_by_thread_per_step_s"][s] if k]
             cells = [f"{statistics.median(k[kind] for k in runs) * 1000:.1f}" if runs else "-" for kind in SPLIT_KINDS]
             total = f"{statistics.median(sum(k.values()) for k in runs) * 1000:.1f}" if runs else "-"
             t.add_row(row["workload"], str(row["workers"]), s, *cells, total)
