@@ -10,11 +10,13 @@ workers claim (an authenticated but buggy or older worker is refused, never trus
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from phalanx.core.alarm import Alarm
 from phalanx.core.errors import TransportError
 from phalanx.core.host import Host
 from phalanx.core.messages import InjectFault, QuorumAssigned, QuorumBroken, Shutdown, StepDecision
@@ -28,7 +30,7 @@ from phalanx.membership.quorum import (
     Action, MemberView, QuorumDecision, QuorumView, Verdict, decide_commit, decide_quorum,
 )
 from phalanx.membership.sessions import Sessions, SuspicionCause, WorkerSession
-from phalanx.membership.worker_messages import WorkerMessages, next_frame
+from phalanx.membership.worker_messages import WorkerMessages
 
 __all__ = ["Coordinator", "CoordinatorConfig", "CommitRecord", "WorkerSession", "apply_mode"]
 
@@ -63,6 +65,7 @@ class Coordinator(WorkerMessages):
         self._t0 = self._last_commit_s = host.now()
         self._floor_commit: tuple[int, frozenset[str]] | None = None  # see raise_floor
         self._stopped = False
+        self._alarm = Alarm(host)
         self.all_done = asyncio.Event()
         self.stalled = asyncio.Event()
 
@@ -75,6 +78,7 @@ class Coordinator(WorkerMessages):
 
     async def stop(self, reason: str = "job finished") -> None:
         self._stopped = True
+        self._alarm.ring_by(-math.inf)  # the ticker ends now, not at its next due time
         for s in self.sessions.values():
             if s.connected:
                 try:
@@ -89,6 +93,7 @@ class Coordinator(WorkerMessages):
         and the current quorum are dropped, so this object decides nothing again. Workers see their
         connection fail and reconnect to whatever listens on the address next."""
         self._stopped = True
+        self._alarm.ring_by(-math.inf)
         self._listener.close()
         sessions, self.sessions, self.quorum = self.sessions.values(), Sessions(), None
         for s in sessions:  # emptied first: the readers' exit paths find no session to suspect or report
@@ -135,54 +140,49 @@ class Coordinator(WorkerMessages):
             return ()
         return missing
 
-    def _send(self, s: WorkerSession, message: Any) -> None:
-        """Queue a message for one worker; one sender task per connection keeps them in order.
-
-        A full outbox means the worker has not taken the last ``maxsize`` messages (stuck, or its
-        link is). A message is never dropped silently (a lost decision or grant would stall it):
-        its connection is closed instead, so it is suspected now and reconnects when it can."""
-        if not s.connected:
-            return
-        if s.outbox.full():
-            if not s.conn.is_closed:
-                s.conn.close(f"{s.outbox.maxsize} messages queued for {s.worker_id} unsent: it is not reading")
-            return
-        s.outbox.put_nowait(message)
-
-    async def _sender(self, s: WorkerSession) -> None:
-        """Sends what is queued for one worker, in order; messages queued together (a decision
-        and the next grant) go out as one Bundle frame."""
-        outbox, pending = s.outbox, deque[Any]()
-        while s.connected:
-            if not pending:
-                pending.append(await outbox.get())
-            while not outbox.empty():
-                pending.append(outbox.get_nowait())
-            try:
-                await s.conn.send(next_frame(pending))
-            except TransportError:
-                return
-
     # ---- decisions ----
     async def _ticker(self) -> None:
-        ticks = 0
+        """Detection and the time-based parts of formation, run when something can be due (the
+        alarm, ``core.alarm``): the quietest worker's heartbeat timeout, the progress watch, and
+        every ``tick_s`` only while a formation waits or the job drains. A fault-free cluster
+        wakes it about twice a heartbeat timeout, not 50 times a second."""
+        alarm, housekeeping_s = self._alarm, self.host.now() + HOUSEKEEPING_S
         while not self._stopped:
-            due_s = self.host.now() + self.cfg.tick_s
-            await self.host.sleep(self.cfg.tick_s)
+            due_s = await alarm.wait()
             if self._stopped:
                 return
-            ticks += 1
+            now = self.host.now()
+            alarm.clear()  # what this tick finds due next, and what rings meanwhile, set the next
             self._form_blocked = False
-            self._late_s = fd.own_lateness_s(self.host.now(), due_s)
+            self._late_s = fd.own_lateness_s(now, due_s)
             if self._late_s > self.cfg.detector.heartbeat_timeout_s / 2:  # worth a line in the events
                 self.emit("coordinator_late", late_s=round(self._late_s, 3))
             self._evaluate(from_tick=True)
             self._release_drainers()
-            if ticks % HOUSEKEEPING_TICKS == 0:  # O(sessions) each: not on every tick at 1,000s of workers
+            if now >= housekeeping_s:  # O(sessions) each: not on every tick at 1,000s of workers
+                housekeeping_s = now + HOUSEKEEPING_S
                 self.sessions.check_counts()
                 q = self.quorum
-                self.sessions.prune(self.host.now(), self.cfg.session_keep_s,
+                self.sessions.prune(now, self.cfg.session_keep_s,
                                     q.member_set if q is not None and not q.decided else frozenset())
+            alarm.ring_by(max(min(self._next_due_s(now), housekeeping_s), now + fd.DUE_MARGIN_S))
+
+    def _next_due_s(self, now: float) -> float:
+        """When the next tick is needed, as far as the state now tells (messages that change it
+        ring the alarm themselves: ``_tick_soon``, ``_on_progress``, a commit's shorter deadline)."""
+        if self._form_blocked or self.completed_workers > 0:
+            return now + self.cfg.tick_s  # a formation waits on a timeout, or the job drains: poll
+        heard = [s.last_heartbeat_s for s in self.sessions.unordered() if s.healthy and s.connected]
+        due = fd.heartbeat_due_s(min(heard), self.cfg.detector) if heard else math.inf
+        q = self.quorum
+        phases = {w: self.sessions[w].phase for w in q.members if self.sessions[w].healthy} \
+            if q is not None and not q.decided else {}
+        return min(due, fd.progress_due_s(now, phases, self.cfg.detector))
+
+    def _tick_soon(self) -> None:
+        """A formation now waits on time (askers wait for others or for a timeout), or the job
+        drains: tick again within ``tick_s``, and every ``tick_s`` while it lasts."""
+        self._alarm.ring_by(self.host.now() + self.cfg.tick_s)
 
     def _evaluate(self, from_tick: bool = False) -> None:
         """Decide the current step's commit and the next quorum.
@@ -208,6 +208,7 @@ class Coordinator(WorkerMessages):
             # window). One that found nobody asking (the commit that just ended a step) must not.
             if self.quorum is before and self.sessions.waiting_n > 0:
                 self._form_blocked = True
+                self._tick_soon()
 
     def _decide(self, q: CurrentQuorum, now: float) -> None:
         live = [w for w in q.members if self.sessions[w].healthy]
@@ -266,7 +267,8 @@ class Coordinator(WorkerMessages):
             self._on_commit(rec)  # the full log (RUN/commits.jsonl) holds it before any worker hears of it
         self.cluster_step = q.step
         self._last_commit_s = now
-        self.cfg = self._pace.on_commit(rec.step_s, self.cfg)
+        self.cfg = self._pace.on_commit(rec.step_s, self.cfg)  # available mode: may shorten the progress watch
+        self._alarm.ring_by(now + self.cfg.detector.progress_timeout_s + fd.DUE_MARGIN_S)
         # recorded (the launcher's durable floor) before any decision leaves the process
         self.emit("step_committed", step=q.step, quorum_id=q.quorum_id, members=list(q.members), loss=loss,
                   step_s=rec.step_s)
@@ -408,4 +410,4 @@ class Coordinator(WorkerMessages):
             self.checkpoint = (path, step)
 
 
-HOUSEKEEPING_TICKS = 50  # the session-count self-check and the pruning of departed sessions
+HOUSEKEEPING_S = 1.0  # how often the session-count self-check and the pruning of departed sessions run

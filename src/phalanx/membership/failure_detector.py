@@ -81,3 +81,30 @@ def progress_suspects(now: float, phases: Mapping[str, tuple[Phase, float]], cfg
         for wid in sorted(phases)
         if phases[wid][0] < lead
     ]
+
+
+# A due time is checked this long after the moment its timeout runs out: the checks above are
+# strict (silence *over* the timeout), and a loop with whole-millisecond timers may fire early.
+DUE_MARGIN_S = 0.002
+
+
+def heartbeat_due_s(earliest_heard_s: float, cfg: DetectorConfig) -> float:
+    """When the quietest healthy worker (last heard at ``earliest_heard_s``) turns suspect if it
+    stays silent. Every message moves a worker's mark later and a new one starts at its Hello, so
+    no worker can turn suspect before this: a detection pass earlier would find nothing."""
+    return earliest_heard_s + cfg.heartbeat_timeout_s + DUE_MARGIN_S
+
+
+def progress_due_s(now: float, phases: Mapping[str, tuple[Phase, float]], cfg: DetectorConfig) -> float:
+    """The earliest moment :func:`progress_suspects` can name anyone, given the phases now.
+
+    With a member behind the lead, that is the lead's start plus the timeout. With none behind,
+    nobody can fall behind before a member moves ahead, which happens now or later: now plus the
+    timeout. (One exception the caller handles: a Progress mark is backdated to when its phase
+    began, so its handler brings the check forward itself.)"""
+    if not phases:
+        return now + cfg.progress_timeout_s + DUE_MARGIN_S
+    lead = max(p for p, _ in phases.values())
+    behind = any(p < lead for p, _ in phases.values())
+    since = min(t for p, t in phases.values() if p == lead) if behind else now
+    return since + cfg.progress_timeout_s + DUE_MARGIN_S

@@ -46,11 +46,11 @@ class WorkerMessages:
     _speed: dict[str, float]
     emit: Callable[..., None]
     note_checkpoint: Callable[[str, int], None]
-    _send: Callable[[WorkerSession, Any], None]
     _evaluate: Callable[..., None]
     _release_drainers: Callable[[], None]
     _suspect: Callable[[WorkerSession, SuspicionCause, str], None]
-    _sender: Callable[[WorkerSession], Any]
+    _tick_soon: Callable[[], None]
+    _alarm: Any
     def _refuse_message(self, s: WorkerSession, kind: str, why: str) -> None:
         """An authenticated worker sent something that cannot be true: ignore it, keep running,
         and say so (the first few of each kind as events, then only the count)."""
@@ -124,6 +124,34 @@ class WorkerMessages:
                   last_committed_step=hello.last_committed_step)
         return session
 
+    def _send(self, s: WorkerSession, message: Any) -> None:
+        """Queue a message for one worker; one sender task per connection keeps them in order.
+
+        A full outbox means the worker has not taken the last ``maxsize`` messages (stuck, or its
+        link is). A message is never dropped silently (a lost decision or grant would stall it):
+        its connection is closed instead, so it is suspected now and reconnects when it can."""
+        if not s.connected:
+            return
+        if s.outbox.full():
+            if not s.conn.is_closed:
+                s.conn.close(f"{s.outbox.maxsize} messages queued for {s.worker_id} unsent: it is not reading")
+            return
+        s.outbox.put_nowait(message)
+
+    async def _sender(self, s: WorkerSession) -> None:
+        """Sends what is queued for one worker, in order; messages queued together (a decision
+        and the next grant) go out as one Bundle frame."""
+        outbox, pending = s.outbox, deque[Any]()
+        while s.connected:
+            if not pending:
+                pending.append(await outbox.get())
+            while not outbox.empty():
+                pending.append(outbox.get_nowait())
+            try:
+                await s.conn.send(next_frame(pending))
+            except TransportError:
+                return
+
     # ---- messages: one short method each ----
     def _handle(self, s: WorkerSession, m: Any) -> None:
         handler = self._HANDLERS.get(type(m))
@@ -166,7 +194,8 @@ class WorkerMessages:
         self.total_steps = max(self.total_steps, min(m.total_steps, ID_LIMIT))
         s.phase = (fd.Phase.REQUESTED, now)
         if not self.sessions.everyone_asking():
-            return False  # others are still to ask: the ticker or the last request decides (O(1) here)
+            self._tick_soon()  # the last request or, on a timeout, the ticker decides (O(1) here)
+            return False
         self._form_blocked = False  # the request that completes the askers always tries to form
         return True
 
@@ -195,6 +224,8 @@ class WorkerMessages:
             # backdated to when the worker entered the phase (the mark is sent only once it lasts),
             # never before the phase it leaves began
             s.phase = (fd.Phase.ALLREDUCE, max(s.phase[1], self.host.now() - m.age_s))
+            # backdated: the progress watch may be due before the time the ticker last computed
+            self._alarm.ring_by(s.phase[1] + self.cfg.detector.progress_timeout_s + fd.DUE_MARGIN_S)
         return False
 
     def _on_allreduce_done(self, s: WorkerSession, m: AllreduceDone) -> bool:
@@ -210,7 +241,7 @@ class WorkerMessages:
             return False
         s.has_state, s.last_committed_step = True, m.step - 1
         self.emit("worker_healed", worker=s.worker_id, source=m.source, step=m.step, quorum_id=m.quorum_id)
-        return False  # matters for the next formation only: the ticker takes it from here
+        return False  # matters for the next formation only: a waiting one is re-tried every tick_s
 
     def _on_checkpoint_written(self, s: WorkerSession, m: CheckpointWritten) -> bool:
         if not 0 <= m.step <= self.cluster_step or not m.path:
@@ -219,7 +250,7 @@ class WorkerMessages:
             return False
         self.note_checkpoint(m.path, m.step)
         self.emit("checkpoint_written", worker=s.worker_id, step=m.step, path=m.path)
-        return False  # may unblock a stalled formation: the ticker re-evaluates within tick_s
+        return False  # may unblock a stalled formation: a waiting one is re-tried every tick_s
 
     def _on_checkpoint_unusable(self, s: WorkerSession, m: CheckpointUnusable) -> bool:
         if m.path == self.checkpoint[0]:
@@ -232,6 +263,8 @@ class WorkerMessages:
             return False
         self.sessions.finish(s)
         self.completed_workers += int(m.completed)
+        if m.completed:
+            self._tick_soon()  # the job drains: its finished workers are released on a tick
         if m.completed and s.has_state:
             s.holds_final, s.last_committed_step = True, min(m.final_step, self.cluster_step)
         self.emit("worker_finished", worker=s.worker_id, completed=m.completed, reason=m.reason)
