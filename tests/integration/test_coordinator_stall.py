@@ -1,7 +1,8 @@
 """The coordinator's own process stops (SIGSTOP) for longer than the heartbeat timeout and then
 goes on: the workers' heartbeats waited unread in its sockets meanwhile, so nobody is suspected,
 no step aborts, and the stall itself is an event (``coordinator_late``). Before, the first tick
-after the stall found every worker "silent" for the whole stall and aborted the step."""
+after the stall found every worker "silent" for the whole stall and aborted the step. (The sim
+version, with every order of the thaw's timers: test_coordinator_alarm.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-STOP_S = 1.5  # the heartbeat timeout is 0.6 s
+STOP_S = 1.5
+TIMEOUT_S = 0.6  # the heartbeat timeout: the ticker sleeps up to about this long, so a tick due in
+# the stall may come due up to that long after the stall began, and its lateness is the rest
 
 
 def _events(path: Path) -> list[dict]:
@@ -42,5 +45,5 @@ def test_a_coordinator_stopped_for_longer_than_the_heartbeat_timeout_blames_no_w
     blamed = [e for e in evs if e["event"] in ("worker_suspected", "step_aborted")]
     assert not blamed, blamed
     late = [e["late_s"] for e in evs if e["event"] == "coordinator_late"]
-    assert late and max(late) >= STOP_S - 0.2, late
+    assert late and STOP_S - TIMEOUT_S - 0.2 <= max(late) <= STOP_S + 0.5, late
     assert sum(e["event"] == "step_committed" for e in evs) == 60

@@ -15,10 +15,10 @@ from phalanx.sim.connection import SimTransport
 from phalanx.sim.network import SimNetwork
 
 
-def _run(scenario, **cfg):
+def _run(scenario, _seed=1, **cfg):
     async def main():
         loop = asyncio.get_running_loop()
-        net = SimNetwork(1)
+        net = SimNetwork(_seed)
         net.install_task_factory(loop)
         cnode = net.add_node("coordinator")
         ccfg = CoordinatorConfig(**{"quorum": QuorumConfig(expected_workers=1, join_timeout_s=0.5), **cfg})
@@ -35,7 +35,7 @@ def _run(scenario, **cfg):
 
         return await scenario(coord, connect, loop)
 
-    return run_virtual(main(), 1)[0]
+    return run_virtual(main(), _seed)[0]
 
 
 async def _next(conn, kind, timeout_s=5.0):

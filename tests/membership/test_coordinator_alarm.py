@@ -195,3 +195,22 @@ def test_the_alarm_runs_at_its_due_time_at_the_earliest_ring_and_waits_when_clea
 
     woke = run_virtual(main(), 1)[0]
     assert woke == [(0.3, 0.3), (0.8, 0.8), (1.1, -1.0)]
+
+
+def test_a_coordinator_frozen_past_its_due_time_blames_no_worker_whose_messages_wait_unread():
+    async def scenario(coord, connect, loop):
+        a, b, _ = await _two_in_a_quorum(connect)
+        beats = [_beat(c, loop.time() + 4.0) for c in (a, b)]
+        await asyncio.sleep(0.7)
+        ticks = _count_ticks(coord)
+        await asyncio.sleep(0.05)
+        while not ticks:  # freeze it just after a tick, which looked up to a heartbeat timeout ahead
+            await asyncio.sleep(0.001)
+        coord.host.node.frozen_until_s = loop.time() + 1.5  # SIGSTOP: it reads nothing, wakes for nothing
+        await asyncio.gather(*beats)
+        return [e for e in coord.events if e["event"] in ("worker_suspected", "step_aborted", "coordinator_late")]
+
+    for seed in range(6):  # timers due at one instant run in a seeded order: the thaw's too
+        events = _run(scenario, _seed=seed, quorum=QuorumConfig(expected_workers=2))
+        assert [e["event"] for e in events] == ["coordinator_late"], (seed, events)
+        assert 1.5 - TIMEOUT_S - 0.1 < events[0]["late_s"] <= 1.5, (seed, events)

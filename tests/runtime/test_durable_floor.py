@@ -1,6 +1,6 @@
 """The launcher's durable floor: what a restarted coordinator must stay above."""
 
-from phalanx.runtime.launcher import DurableFloor
+from phalanx.runtime.launcher_faults import DurableFloor
 
 
 def test_the_floor_only_rises_and_survives_a_new_reader(tmp_path):

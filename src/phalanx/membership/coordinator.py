@@ -158,6 +158,8 @@ class Coordinator(WorkerMessages):
             if self._late_s > self.cfg.detector.heartbeat_timeout_s / 2:  # worth a line in the events
                 self.emit("coordinator_late", late_s=round(self._late_s, 3))
             self._evaluate(from_tick=True)
+            if self._late_s > self.cfg.tick_s:  # it judged no silence (_detect): the next tick does
+                alarm.ring_by(now + self.cfg.tick_s)
             self._release_drainers()
             if now >= housekeeping_s:  # O(sessions) each: not on every tick at 1,000s of workers
                 housekeeping_s = now + HOUSEKEEPING_S
@@ -223,7 +225,9 @@ class Coordinator(WorkerMessages):
         return self.cfg.modes.mode is not ConsistencyMode.LOCAL_SGD
 
     def _detect(self, now: float) -> None:
-        now -= self._late_s  # silence is judged as of when this tick was due (failure_detector.own_lateness_s)
+        if self._late_s > self.cfg.tick_s:
+            return  # the coordinator was not running: what workers sent meanwhile may be unread (own_lateness_s)
+        now -= self._late_s  # silence is judged as of when this tick was due
         # Only sessions that could be suspects go to the pure decision (cheap pre-filter at scale).
         stale_before = now - self.cfg.detector.heartbeat_timeout_s
         alive = {s.worker_id: fd.Liveness(s.connected, s.last_heartbeat_s) for s in self.sessions.unordered()

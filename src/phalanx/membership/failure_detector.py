@@ -56,11 +56,14 @@ def heartbeat_suspects(now: float, workers: Mapping[str, Liveness], cfg: Detecto
 
 def own_lateness_s(now: float, due_s: float) -> float:
     """How late a detection tick runs (0 when on time). A late tick means the coordinator itself
-    was not running (a GC pause, a starved or SIGSTOPped process): what workers sent meanwhile is
-    still unread in its sockets, so their silence is judged as of when the tick was due, not now.
-    Without this a 1 s stall of the coordinator blamed every worker and aborted the step. The next
-    tick on time judges by the clock again (by then the reader has caught up), so a stall delays
-    detection by itself, and a coordinator late on every tick detects that much later."""
+    was not running (a GC pause, a starved or SIGSTOPped process): what workers sent meanwhile may
+    still be unread in its sockets. A tick a little late (up to the coordinator's ``tick_s``) judges
+    silence as of when it was due; one later judges none, and the next tick, ``tick_s`` on, judges
+    by the clock (by then the readers have caught up). Without this a 1 s stall of the coordinator
+    blamed every worker and aborted the step. A tick is due at the quietest worker's timeout, so
+    a stall that spans it would blame that worker if judged as of then. Detection waits for the
+    stall and one tick more, and the lateness is at most the stall (the ticker may have been asleep
+    when it began)."""
     return max(0.0, now - due_s)
 
 

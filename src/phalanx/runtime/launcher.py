@@ -32,7 +32,9 @@ from phalanx.membership.failure_detector import DetectorConfig
 from phalanx.membership.quorum import QuorumConfig
 from phalanx.runtime.event_log import EventLog
 from phalanx.runtime.fault_injector import FaultInjector
-from phalanx.runtime.launcher_faults import CoordinatorHolder, LauncherFaults, network_seams_env, split_plan
+from phalanx.runtime.launcher_faults import (
+    CoordinatorHolder, DurableFloor, LauncherFaults, network_seams_env, split_plan,
+)
 from phalanx.runtime.netns import KernelFaults, NamespaceNetwork, NetworkSetupError
 from phalanx.runtime.progress import Progress
 from phalanx.runtime.restart_hold import RESTART_HOLD_MAX_S, RestartHold
@@ -43,6 +45,10 @@ from phalanx.transport.tcp import TcpTransport, TlsFiles
 
 
 STALL_GRACE_S = 3.0
+# how often the launcher looks at its job when nothing wakes it (a worker's exit does, at once): the
+# stall and wall-clock limits and the progress display; every POLL_S while a restart is held for a
+# commit, or where the platform cannot report exits (it woke every 50 ms, ~5 ms of CPU a second)
+SUPERVISE_S, POLL_S = 0.25, 0.05
 NETWORKS = ("loopback", "namespaces")
 
 
@@ -260,41 +266,6 @@ class _Run:
                              "rejected": t.rejected})
 
 
-class DurableFloor:
-    """``RUN/coordinator_floor``: the highest quorum id formed, and the highest step committed with
-    its members, as JSON, replaced atomically before the assignment or commit leaves the process.
-    A restarted coordinator starts above it (:meth:`Coordinator.raise_floor`)."""
-
-    FILE = "coordinator_floor"
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path, self.quorum_id, self.step = run_dir / self.FILE, 0, -1
-        self.members: tuple[str, ...] = ()
-
-    def raise_to(self, quorum_id: int, step: int = -1, members: tuple[str, ...] = ()) -> None:
-        if quorum_id <= self.quorum_id and step <= self.step:
-            return
-        self.quorum_id = max(self.quorum_id, quorum_id)
-        if step > self.step:
-            self.step, self.members = step, members
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"quorum_id": self.quorum_id, "step": self.step, "members": list(self.members)}))
-        os.replace(tmp, self.path)
-
-    @classmethod
-    def read(cls, run_dir: Path) -> tuple[int, int, tuple[str, ...]]:
-        """(quorum id, committed step, its members); (0, -1, ()) when there is none or it cannot
-        be read (it is data: parsed as JSON, checked, never executed)."""
-        try:
-            d = json.loads((run_dir / cls.FILE).read_text())
-            members = d.get("members", [])
-            if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
-                raise ValueError("members must be a list of worker ids")
-            return int(d["quorum_id"]), int(d["step"]), tuple(members)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return 0, -1, ()
-
-
 def _coordinator_factory(cfg: LaunchConfig, transport: TcpTransport, store_address: str,
                          on_event: Callable[[dict[str, Any]], None],
                          commit_log: CommitLogWriter) -> Callable[[tuple[str, int] | None, float], Coordinator]:
@@ -343,8 +314,11 @@ async def _supervise(cfg: LaunchConfig, sup: Supervisor, holder: CoordinatorHold
         sup.restart(w)
         on_event({"t": now - t0, "mono": now, "node": "launcher", "event": "worker_restarted",
                   "worker": w.worker_id, "restarts": w.restarts, "held_s": round(held_s, 4)})
+    watching = sup.watch_exits()
+    if own_task is not None:
+        own_task.add_done_callback(lambda _: sup.wake())
     while True:
-        await asyncio.sleep(0.05)
+        await sup.wait(SUPERVISE_S if watching and not len(hold) else POLL_S)
         now = time.monotonic()
         if own_task is not None and own_task.done() and not own_task.cancelled() and own_task.exception():
             # e.g. an `ip` command failed or the coordinator could not listen again: fail loudly

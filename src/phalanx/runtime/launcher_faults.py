@@ -6,15 +6,19 @@ The coordinator crash is in-process: the embedded ``Coordinator`` object drops i
 connections and all its state at once (``Coordinator.crash``), and after ``restart_after_s`` a
 brand-new object listens on the same address. It is not a SIGKILL of a separate process, but the
 workers cannot tell the difference: their connection drops, and the coordinator they reconnect to
-knows nothing but what their ``Hello``s and the newest durable checkpoint tell it.
+knows nothing but what their ``Hello``s and the newest durable checkpoint tell it, and the
+durable floor (``DurableFloor``) that the dead incarnation wrote before each new id or commit left it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import os
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from phalanx.faults.plan import NETWORK_KINDS, Fault, FaultKind, FaultPlan
 from phalanx.membership.commit_log import CommitHistory, CommitRecord
@@ -117,3 +121,38 @@ class LauncherFaults:
             await self._restart()
             rec.restarted = True  # detected when the new incarnation admits its first worker
             self._ended(rec)
+
+
+class DurableFloor:
+    """``RUN/coordinator_floor``: the highest quorum id formed, and the highest step committed with
+    its members, as JSON, replaced atomically before the assignment or commit leaves the process.
+    A restarted coordinator starts above it (:meth:`Coordinator.raise_floor`)."""
+
+    FILE = "coordinator_floor"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path, self.quorum_id, self.step = run_dir / self.FILE, 0, -1
+        self.members: tuple[str, ...] = ()
+
+    def raise_to(self, quorum_id: int, step: int = -1, members: tuple[str, ...] = ()) -> None:
+        if quorum_id <= self.quorum_id and step <= self.step:
+            return
+        self.quorum_id = max(self.quorum_id, quorum_id)
+        if step > self.step:
+            self.step, self.members = step, members
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"quorum_id": self.quorum_id, "step": self.step, "members": list(self.members)}))
+        os.replace(tmp, self.path)
+
+    @classmethod
+    def read(cls, run_dir: Path) -> tuple[int, int, tuple[str, ...]]:
+        """(quorum id, committed step, its members); (0, -1, ()) when there is none or it cannot
+        be read (it is data: parsed as JSON, checked, never executed)."""
+        try:
+            d = json.loads((run_dir / cls.FILE).read_text())
+            members = d.get("members", [])
+            if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+                raise ValueError("members must be a list of worker ids")
+            return int(d["quorum_id"]), int(d["step"]), tuple(members)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return 0, -1, ()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -48,6 +49,52 @@ class Supervisor:
         self.restart_failed, self.max_restarts = restart_failed, max_restarts
         self.workers = [WorkerProcess(i, f"{id_prefix}{i}", waiting_to_join=i in joiners) for i in range(count)]
         (run_dir / "workers").mkdir(parents=True, exist_ok=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._woken: asyncio.Event | None = None  # set by a worker's exit, once watch_exits() ran
+        self._pidfds: dict[int, int] = {}  # worker index -> a pidfd of its current process, while watched
+
+    # ---- exits as events: the launcher sleeps until one, not polling every 50 ms ----
+    def watch_exits(self) -> bool:
+        """From now on a started worker's exit wakes :meth:`wait` at once: a pidfd (Linux 5.3+) for
+        each process, read by the running event loop. False where there is none: then nothing
+        wakes :meth:`wait` but its timeout, and the caller polls."""
+        if not hasattr(os, "pidfd_open"):
+            return False
+        self._loop, self._woken = asyncio.get_running_loop(), asyncio.Event()
+        for w in self.workers:
+            if w.proc is not None and not w.reported:
+                self._watch(w)
+        return True
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until a watched worker exits, :meth:`wake` is called, or ``timeout_s`` passes."""
+        if self._woken is None:
+            await asyncio.sleep(timeout_s)
+            return
+        try:
+            await asyncio.wait_for(self._woken.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        self._woken.clear()  # an exit after this is seen by the caller's poll() or wakes the next wait
+
+    def wake(self) -> None:
+        if self._woken is not None:
+            self._woken.set()
+
+    def _watch(self, w: WorkerProcess) -> None:
+        self._unwatch(w)
+        try:
+            fd = os.pidfd_open(w.pid)
+        except OSError:  # already reaped, or no pidfds here: the caller's timeout still polls
+            return
+        self._pidfds[w.index] = fd
+        self._loop.add_reader(fd, self.wake)
+
+    def _unwatch(self, w: WorkerProcess) -> None:
+        fd = self._pidfds.pop(w.index, None)
+        if fd is not None:
+            self._loop.remove_reader(fd)
+            os.close(fd)
 
     def start_all(self) -> None:
         """Every worker but those a `join` fault starts later (:meth:`join`)."""
@@ -76,6 +123,8 @@ class Supervisor:
                                   start_new_session=True)  # its own group: our Ctrl-C is ours to forward
         log.close()
         w.frozen, w.reported = False, False
+        if self._woken is not None:
+            self._watch(w)
 
     def poll(self) -> list[tuple[WorkerProcess, int]]:
         """Return workers that exited since the last poll, with their exit codes."""
@@ -85,6 +134,7 @@ class Supervisor:
                 code = w.proc.poll()
                 if code is not None:
                     w.reported = True
+                    self._unwatch(w)
                     w.exit_codes.append(code)
                     w.finished = code == 0
                     exited.append((w, code))
@@ -113,6 +163,7 @@ class Supervisor:
 
     def stop_all(self, grace_s: float = 3.0) -> None:
         for w in self.workers:
+            self._unwatch(w)
             if w.alive:
                 if w.frozen:
                     self.thaw(w)
