@@ -158,8 +158,6 @@ class Coordinator(WorkerMessages):
             if self._late_s > self.cfg.detector.heartbeat_timeout_s / 2:  # worth a line in the events
                 self.emit("coordinator_late", late_s=round(self._late_s, 3))
             self._evaluate(from_tick=True)
-            if self._late_s > self.cfg.tick_s:  # it judged no silence (_detect): the next tick does
-                alarm.ring_by(now + self.cfg.tick_s)
             self._release_drainers()
             if now >= housekeeping_s:  # O(sessions) each: not on every tick at 1,000s of workers
                 housekeeping_s = now + HOUSEKEEPING_S
@@ -172,14 +170,16 @@ class Coordinator(WorkerMessages):
     def _next_due_s(self, now: float) -> float:
         """When the next tick is needed, as far as the state now tells (messages that change it
         ring the alarm themselves: ``_tick_soon``, ``_on_progress``, a commit's shorter deadline)."""
-        if self._form_blocked or self.completed_workers > 0:
-            return now + self.cfg.tick_s  # a formation waits on a timeout, or the job drains: poll
+        if self._form_blocked or self.completed_workers > 0 or self._late_s > self.cfg.tick_s:
+            return now + self.cfg.tick_s  # a formation waits, the job drains, or this late tick judged no silence
         heard = [s.last_heartbeat_s for s in self.sessions.unordered() if s.healthy and s.connected]
         due = fd.heartbeat_due_s(min(heard), self.cfg.detector) if heard else math.inf
         q = self.quorum
-        phases = {w: self.sessions[w].phase for w in q.members if self.sessions[w].healthy} \
-            if q is not None and not q.decided else {}
+        phases = self._live_phases(q) if q is not None and not q.decided else {}
         return min(due, fd.progress_due_s(now, phases, self.cfg.detector))
+
+    def _live_phases(self, q: CurrentQuorum) -> dict[str, tuple[fd.Phase, float]]:
+        return {w: self.sessions[w].phase for w in q.members if self.sessions[w].healthy}
 
     def _tick_soon(self) -> None:
         """A formation now waits on time (askers wait for others or for a timeout), or the job
@@ -239,7 +239,7 @@ class Coordinator(WorkerMessages):
         # every member's phase began at or after the formation (_form sets them all), so nobody can
         # have fallen behind for progress_timeout_s before that long has passed since it
         if q is not None and not q.decided and now - q.formed_at_s > self.cfg.detector.progress_timeout_s:
-            phases = {w: self.sessions[w].phase for w in q.members if self.sessions[w].healthy}
+            phases = self._live_phases(q)
             for sus in fd.progress_suspects(now, phases, self.cfg.detector):
                 self._suspect(self.sessions[sus.worker_id], SuspicionCause.NO_PROGRESS, sus.reason)
 
@@ -271,8 +271,10 @@ class Coordinator(WorkerMessages):
             self._on_commit(rec)  # the full log (RUN/commits.jsonl) holds it before any worker hears of it
         self.cluster_step = q.step
         self._last_commit_s = now
-        self.cfg = self._pace.on_commit(rec.step_s, self.cfg)  # available mode: may shorten the progress watch
-        self._alarm.ring_by(now + self.cfg.detector.progress_timeout_s + fd.DUE_MARGIN_S)
+        cfg = self._pace.on_commit(rec.step_s, self.cfg)
+        if cfg is not self.cfg:  # available mode's timeouts follow the step: the watch may now be shorter
+            self.cfg = cfg
+            self._alarm.ring_by(fd.progress_deadline_s(now, cfg.detector))
         # recorded (the launcher's durable floor) before any decision leaves the process
         self.emit("step_committed", step=q.step, quorum_id=q.quorum_id, members=list(q.members), loss=loss,
                   step_s=rec.step_s)

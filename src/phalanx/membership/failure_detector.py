@@ -106,8 +106,12 @@ def progress_due_s(now: float, phases: Mapping[str, tuple[Phase, float]], cfg: D
     timeout. (One exception the caller handles: a Progress mark is backdated to when its phase
     began, so its handler brings the check forward itself.)"""
     if not phases:
-        return now + cfg.progress_timeout_s + DUE_MARGIN_S
+        return progress_deadline_s(now, cfg)
     lead = max(p for p, _ in phases.values())
     behind = any(p < lead for p, _ in phases.values())
-    since = min(t for p, t in phases.values() if p == lead) if behind else now
-    return since + cfg.progress_timeout_s + DUE_MARGIN_S
+    return progress_deadline_s(min(t for p, t in phases.values() if p == lead) if behind else now, cfg)
+
+
+def progress_deadline_s(lead_since_s: float, cfg: DetectorConfig) -> float:
+    """When members behind a lead taken at ``lead_since_s`` turn suspect (plus the margin)."""
+    return lead_since_s + cfg.progress_timeout_s + DUE_MARGIN_S

@@ -225,7 +225,7 @@ class WorkerMessages:
             # never before the phase it leaves began
             s.phase = (fd.Phase.ALLREDUCE, max(s.phase[1], self.host.now() - m.age_s))
             # backdated: the progress watch may be due before the time the ticker last computed
-            self._alarm.ring_by(s.phase[1] + self.cfg.detector.progress_timeout_s + fd.DUE_MARGIN_S)
+            self._alarm.ring_by(fd.progress_deadline_s(s.phase[1], self.cfg.detector))
         return False
 
     def _on_allreduce_done(self, s: WorkerSession, m: AllreduceDone) -> bool:
