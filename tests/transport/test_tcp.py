@@ -2,6 +2,7 @@
 affects another."""
 
 import asyncio
+import socket
 import struct
 
 import pytest
@@ -133,3 +134,31 @@ def test_client_refuses_a_server_with_another_token():
         with pytest.raises((AuthError, TransportError)):
             await TcpTransport(TOKEN).connect(listener.address, 2)
     run(main())
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_send_after_the_loop_closed_the_connection_raises_a_transport_error(loop_kind):
+    # The peer closed (a killed worker) and the event loop closed the transport on the EOF before
+    # anyone read it: a send must say the connection is closed (TransportError), never raise
+    # uvloop's RuntimeError nor drop the frame silently (asyncio). The launcher's shutdown sends
+    # Shutdown to every worker it still believes connected, and found this race.
+    from phalanx.core import event_loop
+    from phalanx.core.errors import ConnectionClosed
+
+    async def main():
+        server = TcpTransport(TOKEN)
+
+        async def on_conn(conn):
+            sock = conn._writer.transport.get_extra_info("socket")  # as a SIGKILLed process's: a reset
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close("the peer goes away")
+
+        listener = await server.listen("127.0.0.1:0", on_conn)
+        conn = await TcpTransport(TOKEN).connect(listener.address, 2)
+        await asyncio.sleep(0.3)  # the reset arrives and the loop closes the transport; nobody calls recv
+        with pytest.raises(ConnectionClosed):
+            await conn.send(Heartbeat(seq=1, step=0))
+        assert conn.is_closed
+        listener.close()
+
+    event_loop.run(asyncio.wait_for(main(), 20), loop_kind)

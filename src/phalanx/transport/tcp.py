@@ -118,6 +118,10 @@ class TcpConnection:
         return self._closed
 
     async def send(self, message: Any, buffers: Sequence[bytes | bytearray | memoryview] = ()) -> None:
+        if not self._closed and self._writer.is_closing():
+            # the loop closed the transport itself (the peer reset it: a killed process) before any
+            # recv saw it: uvloop would raise RuntimeError on the write, asyncio drop it unsaid
+            self.close("peer reset the connection")
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed ({self.close_reason})")
         parts = encode_body(message, buffers)
