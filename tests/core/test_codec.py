@@ -79,3 +79,10 @@ def test_token_file_is_private(tmp_path):
     auth.write_token_file(p, auth.generate_token())
     assert p.stat().st_mode & 0o077 == 0
     assert len(auth.read_token_file(p)) == 64
+
+
+def test_a_keyed_mac_copied_per_frame_gives_the_same_bytes_as_frame_mac():
+    key = auth.session_key(b"t" * 32, b"n" * 16, b"m" * 16)
+    keyed = auth.frame_mac_key(key)
+    for direction, seq, parts in ((b"C", 0, [b"body"]), (b"S", 7, [b"bo", memoryview(b"dy")]), (b"C", 2**40, [])):
+        assert auth.frame_mac_with(keyed, direction, seq, parts) == auth.frame_mac(key, direction, seq, parts)

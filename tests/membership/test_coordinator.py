@@ -8,6 +8,7 @@ from phalanx.core.messages import (
     AllreduceDone, Bundle, CheckpointWritten, Goodbye, Heartbeat, Hello, QuorumAssigned, QuorumRequest, Refused, Welcome,
 )
 from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
+from phalanx.membership.outbox import OUTBOX_MAX
 from phalanx.membership.quorum import QuorumConfig
 from phalanx.sim.host import SimHost
 from phalanx.sim.loop import run_virtual
@@ -133,8 +134,9 @@ def test_a_worker_whose_outbox_fills_loses_its_connection_instead_of_silently_mi
     async def scenario(coord, connect, loop):
         a, _ = await connect("w0")
         s = coord.sessions["w0"]
-        while not s.outbox.full():  # as if its socket had stopped draining
-            s.outbox.put_nowait(Heartbeat(seq=0, step=-1))
+        while len(s.outbox) < OUTBOX_MAX:  # as if its socket had stopped draining
+            s.outbox.append(Heartbeat(seq=0, step=-1))
+        s.sending = True  # a send that had to wait is under way: nothing is flushed meanwhile
         coord._send(s, Refused(reason="one message too many"))
         await asyncio.sleep(0.1)
         return [e for e in coord.events if e["event"] in ("connection_lost", "worker_suspected")]

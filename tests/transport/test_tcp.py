@@ -149,7 +149,7 @@ def test_a_send_after_the_loop_closed_the_connection_raises_a_transport_error(lo
         server = TcpTransport(TOKEN)
 
         async def on_conn(conn):
-            sock = conn._writer.transport.get_extra_info("socket")  # as a SIGKILLed process's: a reset
+            sock = conn.extra("socket")  # as a SIGKILLed process's: a reset
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             conn.close("the peer goes away")
 

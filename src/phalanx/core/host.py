@@ -24,6 +24,11 @@ class Connection(Protocol):
     async def send(self, message: Any, buffers: Buffers = ()) -> None:
         """Send one message (a msgspec Struct from core.messages) plus raw buffers."""
 
+    def try_send(self, message: Any) -> bool:
+        """Send one message now if that needs no waiting (nothing of this connection's still
+        queued, no backpressure): True. Else False, and nothing was sent: ``send`` it instead.
+        Raises ConnectionClosed as ``send`` would."""
+
     async def recv(self) -> tuple[Any, list[memoryview]]:
         """Receive the next message; raises ConnectionClosed when the peer is gone."""
 

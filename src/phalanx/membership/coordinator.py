@@ -26,6 +26,7 @@ from phalanx.membership import policy
 from phalanx.membership.coordinator_state import (
     EVENTS_KEPT, CommitRecord, CoordinatorConfig, CurrentQuorum, StepPace, apply_mode,
 )
+from phalanx.membership.outbox import Outboxes
 from phalanx.membership.quorum import (
     Action, MemberView, QuorumDecision, QuorumView, Verdict, decide_commit, decide_quorum,
 )
@@ -66,6 +67,7 @@ class Coordinator(WorkerMessages):
         self._floor_commit: tuple[int, frozenset[str]] | None = None  # see raise_floor
         self._stopped = False
         self._alarm = Alarm(host)
+        self._outboxes = Outboxes(host)
         self.all_done = asyncio.Event()
         self.stalled = asyncio.Event()
 
@@ -99,8 +101,7 @@ class Coordinator(WorkerMessages):
         for s in sessions:  # emptied first: the readers' exit paths find no session to suspect or report
             s.connected = False
             s.conn.close()  # the default reason: a crash is not a refused connection
-            if not s.outbox.full():
-                s.outbox.put_nowait(None)  # wakes its sender, whose send on the closed connection ends it
+            s.outbox.clear()
 
     def emit(self, event: str, **fields: Any) -> None:
         record = {"t": round(self.host.now() - self._t0, 6), "node": "coordinator", "event": event, **fields}

@@ -8,7 +8,7 @@ coordinator asserts they equal a recount (``check_counts``).
 
 from __future__ import annotations
 
-import asyncio
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -56,7 +56,9 @@ class WorkerSession:
     asks_next: int = -1  # the fast path: the step it asked for in its report, should that step commit
     members_sent_for: int = -1  # the quorum id whose member list this connection was sent
     left_at_s: float = -1.0  # when it disconnected (-1: connected)
-    outbox: asyncio.Queue[Any] = field(default_factory=lambda: asyncio.Queue(maxsize=1024))
+    outbox: deque[Any] = field(default_factory=deque)  # queued to send (membership/outbox.py)
+    marked: bool = False  # its outbox waits for the next flush
+    sending: bool = False  # a send that had to wait is under way on a task: the rest follows it
 
     @property
     def healthy(self) -> bool:

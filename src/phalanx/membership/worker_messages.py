@@ -5,16 +5,14 @@ still be buggy or older) and returning whether a decision may now be due. Mixed 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phalanx.core.errors import TransportError
 from phalanx.core.host import Connection
 from phalanx.core.messages import (
-    BUNDLE_MAX, AllreduceDone, Bundle, CheckpointUnusable, CheckpointWritten, Goodbye, HealDone, Heartbeat, Hello,
-    InjectFault, Progress, QuorumAssigned, QuorumBroken, QuorumCancel, QuorumRequest, Refused, Shutdown, StepDecision,
-    Welcome,
+    AllreduceDone, CheckpointUnusable, CheckpointWritten, Goodbye, HealDone, Heartbeat, Hello, Progress,
+    QuorumCancel, QuorumRequest, Refused, StepDecision, Welcome,
 )
 from phalanx.membership import failure_detector as fd
 from phalanx.membership import policy
@@ -25,6 +23,7 @@ from phalanx.membership.sessions import SuspicionCause, WorkerSession
 if TYPE_CHECKING:
     from phalanx.core.host import Host
     from phalanx.membership.coordinator_state import CoordinatorConfig, CurrentQuorum
+    from phalanx.membership.outbox import Outboxes
     from phalanx.membership.sessions import Sessions
 
 
@@ -51,6 +50,7 @@ class WorkerMessages:
     _suspect: Callable[[WorkerSession, SuspicionCause, str], None]
     _tick_soon: Callable[[], None]
     _alarm: Any
+    _outboxes: "Outboxes"
     def _refuse_message(self, s: WorkerSession, kind: str, why: str) -> None:
         """An authenticated worker sent something that cannot be true: ignore it, keep running,
         and say so (the first few of each kind as events, then only the count)."""
@@ -73,8 +73,8 @@ class WorkerMessages:
             await _refuse(conn, why)
             return
         session = self._admit(first, conn)
-        self.host.spawn(self._sender(session), f"send-{session.worker_id}")
-        await _send_quiet(conn, self._welcome())
+        self._send(session, self._welcome())
+        self._outboxes.flush()
         try:
             while not conn.is_closed:
                 message, _ = await conn.recv()
@@ -125,32 +125,9 @@ class WorkerMessages:
         return session
 
     def _send(self, s: WorkerSession, message: Any) -> None:
-        """Queue a message for one worker; one sender task per connection keeps them in order.
-
-        A full outbox means the worker has not taken the last ``maxsize`` messages (stuck, or its
-        link is). A message is never dropped silently (a lost decision or grant would stall it):
-        its connection is closed instead, so it is suspected now and reconnects when it can."""
-        if not s.connected:
-            return
-        if s.outbox.full():
-            if not s.conn.is_closed:
-                s.conn.close(f"{s.outbox.maxsize} messages queued for {s.worker_id} unsent: it is not reading")
-            return
-        s.outbox.put_nowait(message)
-
-    async def _sender(self, s: WorkerSession) -> None:
-        """Sends what is queued for one worker, in order; messages queued together (a decision
-        and the next grant) go out as one Bundle frame."""
-        outbox, pending = s.outbox, deque[Any]()
-        while s.connected:
-            if not pending:
-                pending.append(await outbox.get())
-            while not outbox.empty():
-                pending.append(outbox.get_nowait())
-            try:
-                await s.conn.send(next_frame(pending))
-            except TransportError:
-                return
+        """Queue a message for one worker (membership/outbox.py: written in order, at the end of the
+        message being handled or on the loop's next turn; a worker not reading loses its connection)."""
+        self._outboxes.queue(s, message)
 
     # ---- messages: one short method each ----
     def _handle(self, s: WorkerSession, m: Any) -> None:
@@ -161,6 +138,7 @@ class WorkerMessages:
         self._heard_from(s)
         if handler(self, s, m):
             self._evaluate()
+        self._outboxes.flush()  # what this message decided leaves before the next is read
 
     def _heard_from(self, s: WorkerSession) -> None:
         """Any message from a worker is a sign of life (workers skip heartbeats while other
@@ -308,18 +286,3 @@ async def _send_quiet(conn: Connection, message: Any) -> None:
 async def _refuse(conn: Connection, reason: str) -> None:
     await _send_quiet(conn, Refused(reason=reason))
     conn.close(reason)
-
-
-_BUNDLED = (QuorumAssigned, QuorumBroken, StepDecision, InjectFault, Shutdown)
-
-
-def next_frame(pending: deque[Any]) -> Any:
-    """The next frame from the front of ``pending``: one message alone, or the longest run (up to
-    BUNDLE_MAX) of messages that may be bundled, as one Bundle."""
-    first = pending.popleft()
-    if not pending or not isinstance(first, _BUNDLED) or not isinstance(pending[0], _BUNDLED):
-        return first
-    items = [first]
-    while pending and len(items) < BUNDLE_MAX and isinstance(pending[0], _BUNDLED):
-        items.append(pending.popleft())
-    return Bundle(items=items)

@@ -53,6 +53,10 @@ class SimConnection:
         return self._closed
 
     async def send(self, message: Any, buffers: Any = ()) -> None:
+        self.try_send(message, buffers)
+
+    def try_send(self, message: Any, buffers: Any = ()) -> bool:
+        """Always at once: the simulated link's delay is the delivery time, not the sender's wait."""
         _check_incarnation(self.local, self._incarnation)
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed ({self.close_reason})")
@@ -67,6 +71,7 @@ class SimConnection:
         # max(): a frame is readable only after every frame before it (head-of-line blocking)
         at = max(now + self.net.transmit(self.local, self.remote, nbytes, now), self._last_delivery_s)
         self._enqueue(at, (message, bufs))
+        return True
 
     def _enqueue(self, at: float, item: Any) -> None:
         assert at >= self._last_delivery_s, "frames of one connection become readable in the order sent"

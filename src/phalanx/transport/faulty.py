@@ -244,6 +244,12 @@ class FaultyConnection:
         return self._closing or bool(self._failed) or self._eof
 
     # ---- outbound ----
+    def try_send(self, message: Any) -> bool:
+        if self._closing or self._failed:
+            raise ConnectionClosed(f"connection to {self.peer} is closed ({self._failed or self.close_reason})")
+        # nothing queued, nothing degraded: straight through, as ``send`` would go
+        return self._backlog == 0 and self._cond.is_clear(self.peer_name) and self.inner.try_send(message)
+
     async def send(self, message: Any, buffers: Buffers = ()) -> None:
         if self._closing or self._failed:
             raise ConnectionClosed(f"connection to {self.peer} is closed ({self._failed or self.close_reason})")

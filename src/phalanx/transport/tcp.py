@@ -27,6 +27,7 @@ from phalanx.core import auth
 from phalanx.core.codec import LEN, body_length, check_version, decode_body, encode_body
 from phalanx.core.errors import AuthError, ConnectionClosed, FrameRejected, TransportError
 from phalanx.core.messages import PROTOCOL_VERSION, ClientHello, Refused, ServerHello
+from phalanx.transport.frames import FrameStream, StreamClosed
 
 log = logging.getLogger("phalanx.transport")
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -99,10 +100,14 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class TcpConnection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
-                 is_client: bool, peer: str, max_frame_bytes: int, stats: TransportStats,
-                 first_frame_timeout_s: float | None = None) -> None:
-        self._reader, self._writer, self._key = reader, writer, key
+    """One authenticated connection: frames from a ``FrameStream`` (transport/frames.py), each
+    verified against this direction's key and sequence number before it is decoded."""
+
+    def __init__(self, stream: FrameStream, key: bytes, is_client: bool, peer: str, max_frame_bytes: int,
+                 stats: TransportStats, first_frame_timeout_s: float | None = None) -> None:
+        self._stream = stream
+        stream.max_frame_bytes = max_frame_bytes  # authenticated from here: the full limit
+        self._mac = auth.frame_mac_key(key)
         self._send_dir, self._recv_dir = (b"C", b"S") if is_client else (b"S", b"C")
         self._send_seq = 0
         self._recv_seq = 0
@@ -117,8 +122,22 @@ class TcpConnection:
     def is_closed(self) -> bool:
         return self._closed
 
+    def extra(self, name: str) -> Any:
+        """The socket's ``get_extra_info(name)`` (``socket``, ``peername``)."""
+        return self._stream.extra(name)
+
     async def send(self, message: Any, buffers: Sequence[bytes | bytearray | memoryview] = ()) -> None:
-        if not self._closed and self._writer.is_closing():
+        self._write(message, buffers)
+        await self._stream.drain()  # returns at once unless the socket's buffer is above its mark
+
+    def try_send(self, message: Any) -> bool:
+        if self._stream.writing_paused and not self._closed:
+            return False
+        self._write(message, ())
+        return True
+
+    def _write(self, message: Any, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
+        if not self._closed and self._stream.is_closing():
             # the loop closed the transport itself (the peer reset it: a killed process) before any
             # recv saw it: uvloop would raise RuntimeError on the write, asyncio drop it unsaid
             self.close("peer reset the connection")
@@ -128,33 +147,29 @@ class TcpConnection:
         n = body_length(parts)
         if n > self._max:
             raise TransportError(f"refusing to send a {n}-byte frame; the limit is {self._max}")
-        mac = auth.frame_mac(self._key, self._send_dir, self._send_seq, parts)
+        mac = auth.frame_mac_with(self._mac, self._send_dir, self._send_seq, parts)
         self._send_seq += 1
-        self._writer.writelines([LEN.pack(n), mac, *parts])  # one frame, never interleaved
+        self._stream.write([LEN.pack(n), mac, *parts])  # one frame, never interleaved
         self.stats.bytes_sent += n + LEN.size + auth.MAC_BYTES
         self.stats.frames_sent += 1
-        try:
-            await self._writer.drain()
-        except (ConnectionError, OSError) as e:
-            self.close(f"send failed: {e}")
-            raise ConnectionClosed(f"connection to {self.peer} lost: {e}") from e
 
     async def recv(self) -> tuple[Any, list[memoryview]]:
         try:
             if self._recv_seq == 0 and self._first_frame_timeout_s is not None:
-                mac, body = await asyncio.wait_for(read_frame(self._reader, self._max), self._first_frame_timeout_s)
+                async with asyncio.timeout(self._first_frame_timeout_s):
+                    mac, body = await self._stream.next_frame()
             else:
-                mac, body = await read_frame(self._reader, self._max)
+                mac, body = await self._stream.next_frame()
         except asyncio.TimeoutError as e:
             self._reject(f"no frame within {self._first_frame_timeout_s:g} s of the handshake", "first_frame")
             raise ConnectionClosed(f"{self.peer} sent nothing after its handshake") from e
         except FrameRejected as e:
             self._reject(str(e), "oversized" if "limit" in str(e) else "garbled")
             raise
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+        except StreamClosed as e:
             self.close("peer closed the connection")
             raise ConnectionClosed(f"connection to {self.peer} closed") from e
-        expected = auth.frame_mac(self._key, self._recv_dir, self._recv_seq, [body])
+        expected = auth.frame_mac_with(self._mac, self._recv_dir, self._recv_seq, [body])
         if not auth.macs_equal(mac, expected):
             self._reject("frame failed HMAC verification (wrong token, replay or corruption)", "auth")
             raise AuthError(f"frame from {self.peer} failed HMAC verification")
@@ -178,18 +193,17 @@ class TcpConnection:
         self._closed = True
         self.close_reason = reason
         try:
-            self._writer.close()
+            self._stream.close()
         except RuntimeError:  # loop already closed
             pass
 
 
-async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> tuple[bytes, bytes]:
-    head = await reader.readexactly(LEN.size + auth.MAC_BYTES)
-    (n,) = LEN.unpack_from(head, 0)
-    if n > max_frame_bytes:
-        raise FrameRejected(f"frame of {n} bytes exceeds the limit of {max_frame_bytes}")
-    body = await reader.readexactly(n)
-    return head[LEN.size :], body
+async def read_frame(stream: FrameStream) -> tuple[bytes, bytes]:
+    """One handshake frame (the stream's limit is the pre-authentication one until then)."""
+    try:
+        return await stream.next_frame()
+    except StreamClosed as e:
+        raise ConnectionClosed("peer closed the connection during the handshake") from e
 
 
 class TcpListener:
@@ -250,64 +264,68 @@ class TcpTransport:
 
     async def connect(self, address: str, timeout_s: float) -> TcpConnection:
         host, port = split_address(address)
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=self._client_tls),
-                                                    timeout_s)
+            _, stream = await asyncio.wait_for(
+                loop.create_connection(lambda: FrameStream(HANDSHAKE_MAX_FRAME_BYTES), host, port,
+                                       ssl=self._client_tls), timeout_s)
         except (OSError, asyncio.TimeoutError) as e:  # ssl.SSLError is an OSError
             raise TransportError(f"cannot connect to {address}: {e or 'timed out'}") from e
-        _nodelay(writer)
+        _nodelay(stream)
         try:
-            return await asyncio.wait_for(self._client_handshake(reader, writer, address), self.handshake_timeout_s)
+            return await asyncio.wait_for(self._client_handshake(stream, address), self.handshake_timeout_s)
         except asyncio.TimeoutError as e:
-            writer.close()
+            stream.close()
             raise TransportError(f"handshake with {address} timed out") from e
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
-            writer.close()
+        except ConnectionClosed as e:
+            stream.close()
             raise TransportError(f"{address} closed the connection during the handshake") from e
+        except BaseException:
+            stream.close()
+            raise
 
-    async def _client_handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                                address: str) -> TcpConnection:
+    async def _client_handshake(self, stream: FrameStream, address: str) -> TcpConnection:
         nonce = auth.new_nonce()
-        await _send_handshake(writer, self._token, ClientHello(protocol_version=PROTOCOL_VERSION, nonce=nonce, client=self.name))
-        mac, body = await read_frame(reader, HANDSHAKE_MAX_FRAME_BYTES)
+        await _send_handshake(stream, self._token, ClientHello(protocol_version=PROTOCOL_VERSION, nonce=nonce,
+                                                               client=self.name))
+        mac, body = await read_frame(stream)
         if not auth.macs_equal(mac, auth.handshake_mac(self._token, body)):
-            writer.close()
             raise AuthError(f"{address} failed authentication (different cluster token?)")
         reply, _ = decode_body(memoryview(body))
         if isinstance(reply, Refused):
-            writer.close()
             raise TransportError(f"{address} refused the connection: {reply.reason}")
         if not isinstance(reply, ServerHello):
-            writer.close()
             raise FrameRejected(f"{address} answered the handshake with {type(reply).__name__}")
         check_version(reply.protocol_version, PROTOCOL_VERSION)
         key = auth.session_key(self._token, nonce, reply.nonce)
-        return TcpConnection(reader, writer, key, True, address, self.max_frame_bytes, self.stats)
+        return TcpConnection(stream, key, True, address, self.max_frame_bytes, self.stats)
 
     async def listen(self, address: str, on_connection: Callable[[TcpConnection], Awaitable[None]]) -> TcpListener:
         host, port = split_address(address)
+        loop = asyncio.get_running_loop()
+        handlers: set[asyncio.Task[None]] = set()  # each accepted connection's task, kept until it ends
 
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            peername = writer.get_extra_info("peername")
+        async def handle(stream: FrameStream) -> None:
+            peername = stream.extra("peername")
             peer = f"{peername[0]}:{peername[1]}" if peername else "?"
             if self._pending >= self.max_pending_handshakes:
                 self.stats.note_rejected("busy")
                 self._report_reject(peer, f"{self._pending} handshakes already in progress")
-                writer.close()
+                stream.close()
                 return
-            _nodelay(writer)
+            _nodelay(stream)
             self._pending += 1
             try:
-                conn = await asyncio.wait_for(self._server_handshake(reader, writer, peer), self.handshake_timeout_s)
-            except (TransportError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+                conn = await asyncio.wait_for(self._server_handshake(stream, peer), self.handshake_timeout_s)
+            except (TransportError, asyncio.TimeoutError) as e:
                 reason = str(e) or "handshake timed out"
                 log.debug("refused connection from %s: %s", peer, reason)
                 self.stats.note_rejected("handshake")
                 self._report_reject(peer, reason)
-                writer.close()
+                stream.close()
                 return
             except BaseException:
-                writer.close()  # cancelled mid-handshake (the listener's loop is ending): never leave it open
+                stream.close()  # cancelled mid-handshake (the listener's loop is ending): never leave it open
                 raise
             finally:
                 self._pending -= 1
@@ -318,14 +336,19 @@ class TcpTransport:
                     self._report_reject(peer, conn.close_reason)
                 conn.close()
 
-        server = await asyncio.start_server(handle, host, port, ssl=self._server_tls,
-                                            ssl_handshake_timeout=self.handshake_timeout_s if self._server_tls else None)
+        def accepted(stream: FrameStream) -> None:
+            task = loop.create_task(handle(stream))
+            handlers.add(task)
+            task.add_done_callback(handlers.discard)
+
+        server = await loop.create_server(lambda: FrameStream(HANDSHAKE_MAX_FRAME_BYTES, accepted), host, port,
+                                          ssl=self._server_tls,
+                                          ssl_handshake_timeout=self.handshake_timeout_s if self._server_tls else None)
         bound = server.sockets[0].getsockname()
         return TcpListener(server, f"{bound[0]}:{bound[1]}")
 
-    async def _server_handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                                peer: str) -> TcpConnection:
-        mac, body = await read_frame(reader, HANDSHAKE_MAX_FRAME_BYTES)
+    async def _server_handshake(self, stream: FrameStream, peer: str) -> TcpConnection:
+        mac, body = await read_frame(stream)
         if not auth.macs_equal(mac, auth.handshake_mac(self._token, body)):
             raise AuthError("handshake frame failed HMAC verification (wrong cluster token)")
         hello, _ = decode_body(memoryview(body))
@@ -336,24 +359,24 @@ class TcpTransport:
         try:
             check_version(hello.protocol_version, PROTOCOL_VERSION)
         except TransportError as e:
-            await _send_handshake(writer, self._token, Refused(reason=str(e)))
+            await _send_handshake(stream, self._token, Refused(reason=str(e)))
             raise
         nonce = auth.new_nonce()
-        await _send_handshake(writer, self._token, ServerHello(protocol_version=PROTOCOL_VERSION, nonce=nonce))
+        await _send_handshake(stream, self._token, ServerHello(protocol_version=PROTOCOL_VERSION, nonce=nonce))
         key = auth.session_key(self._token, hello.nonce, nonce)
-        return TcpConnection(reader, writer, key, False, f"{hello.client}@{peer}", self.max_frame_bytes, self.stats,
+        return TcpConnection(stream, key, False, f"{hello.client}@{peer}", self.max_frame_bytes, self.stats,
                              self.first_frame_timeout_s)
 
 
-async def _send_handshake(writer: asyncio.StreamWriter, token: bytes, message: Any) -> None:
+async def _send_handshake(stream: FrameStream, token: bytes, message: Any) -> None:
     parts = encode_body(message)
     body = b"".join(bytes(p) for p in parts)
-    writer.write(LEN.pack(len(body)) + auth.handshake_mac(token, body) + body)
-    await writer.drain()
+    stream.write([LEN.pack(len(body)) + auth.handshake_mac(token, body) + body])
+    await stream.drain()
 
 
-def _nodelay(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
+def _nodelay(stream: FrameStream) -> None:
+    sock = stream.extra("socket")
     if sock is not None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
