@@ -77,3 +77,40 @@ def test_an_event_from_a_signal_handler_during_writes_is_never_lost_nor_raises(t
     log.close()
     names = _events(path)
     assert names.count("from_handler") == len(fired) and names[-1] == "last"
+
+
+def test_the_control_threads_lines_wait_at_most_flush_s_and_none_is_lost_at_close(tmp_path: Path) -> None:
+    """Spans and the bound loop's thread's events wait in memory (one write for many); other
+    threads' events go out at once; the timer, a full batch and close() write what waits."""
+    import asyncio
+    import time
+
+    from phalanx.train import torch_state
+
+    path = tmp_path / "w0.jsonl"
+    log = SpanLog(path, "w0")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        log.batch_on(loop)
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(5)  # bound by now
+        asyncio.run_coroutine_threadsafe(_on_loop(lambda: log.event("committed", step=1)), loop).result(5)
+        log.span("allreduce", time.monotonic(), step=1)  # the user's thread's span joins the batch
+        log.event("rolled_back", step=1)  # ... its events go out at once
+        assert _events(path) == ["rolled_back"]
+        time.sleep(torch_state.FLUSH_S + 0.2)  # the loop's timer wrote the batch
+        assert _events(path) == ["rolled_back", "committed", "allreduce"]
+        for i in range(torch_state.BATCH_MAX):  # a full batch goes out without waiting for the timer
+            asyncio.run_coroutine_threadsafe(_on_loop(lambda i=i: log.event("committed", step=i)), loop).result(5)
+        assert len(_events(path)) == 3 + torch_state.BATCH_MAX
+        asyncio.run_coroutine_threadsafe(_on_loop(lambda: log.span("quorum_wait", 0.0, step=9)), loop).result(5)
+        log.close()  # what still waits is written
+        assert _events(path)[-1] == "quorum_wait"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+async def _on_loop(fn) -> None:
+    fn()

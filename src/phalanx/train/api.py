@@ -116,6 +116,7 @@ class Job:
         self._pending: Pending | None = None  # the step whose verdict travels while a guess runs
         self.faults = InProcessFaults(self)
         self._spans = SpanLog(run_dir / "workers" / f"{worker_id}.jsonl", worker_id)
+        self._spans.batch_on(loop)
         self._body = ThreadBody(loop)
         self.engine = StepEngine(agent, self._body, TorchState(self), self._spans)
 

@@ -4,7 +4,9 @@ and the StepObserver (the worker's JSONL span log)."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -79,8 +81,22 @@ class TorchState:
                 pos += n
 
 
+FLUSH_S = 0.25  # the control thread's lines wait at most this long in memory (see SpanLog)
+BATCH_MAX = 256  # ... or until this many are waiting
+
+
 class SpanLog:
     """Per-worker spans and events (JSON lines, monotonic clock shared by all local processes).
+
+    Spans, and the control thread's events, wait in memory as records and are encoded and written
+    together from a timer on the control loop, at most ``FLUSH_S`` after the control thread's
+    first line of the batch (it records every step; also once ``BATCH_MAX`` wait, and at
+    ``close`` or exit). Encoded and written one by one, each step's ``committed`` and
+    ``quorum_wait`` held the GIL 60-80 us while the user's thread was waking up from its verdict,
+    and its ``allreduce`` span delayed the optimizer (docs/BENCHMARKS.md, session 32). Any other
+    thread's events (a fault's, a rollback's) go out at once. The file's lines are then not in time
+    order across threads; every record carries its own ``mono``. A SIGKILLed worker loses what was
+    still waiting: at most its last ``FLUSH_S`` of spans and control-thread events.
 
     A ``gil_hang`` fault's events are written from a signal handler on the training thread
     (train/faults_in_process.py), which may interrupt that thread inside a write to this very
@@ -92,16 +108,50 @@ class SpanLog:
         self._f = open(path, "a", buffering=1)
         self._wid = worker_id
         self._deferred: list[str] = []
+        self._lock = threading.Lock()  # the batch: appended on the control thread, flushed there or at close
+        self._batch: list[dict[str, Any]] = []
+        self._armed = False  # the flush timer is set
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = -1
+        atexit.register(self.flush)  # a script that never calls job.close() still gets every line
+
+    def batch_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """From here, lines written on ``loop``'s thread wait for a batch (see the class). Thread-safe."""
+        def here() -> None:
+            self._loop, self._loop_thread = loop, threading.get_ident()
+        loop.call_soon_threadsafe(here)
 
     def span(self, span: str, start_s: float, **fields: Any) -> None:
         now = time.monotonic()
-        self._write({"mono": round(start_s, 6), "dur": round(now - start_s, 6), "node": self._wid, "span": span, **fields})
+        self._write({"mono": round(start_s, 6), "dur": round(now - start_s, 6), "node": self._wid, "span": span,
+                     **fields}, True)
 
     def event(self, event: str, **fields: Any) -> None:
-        self._write({"mono": round(time.monotonic(), 6), "node": self._wid, "event": event, **fields})
+        self._write({"mono": round(time.monotonic(), 6), "node": self._wid, "event": event, **fields}, False)
 
-    def _write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record) + "\n"
+    def _write(self, record: dict[str, Any], is_span: bool) -> None:
+        loop = self._loop
+        on_loop = loop is not None and threading.get_ident() == self._loop_thread
+        if loop is None or not (on_loop or is_span):
+            self._put(json.dumps(record) + "\n")
+            return
+        with self._lock:  # encoded when written: json.dumps was most of the cost
+            self._batch.append(record)
+            n, arm = len(self._batch), on_loop and not self._armed
+            self._armed = self._armed or arm
+        if arm:  # only the loop's own thread may set its timers; it records something every step
+            loop.call_later(FLUSH_S, self.flush)
+        if n >= BATCH_MAX:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the waiting batch (on the control thread's timer, or at close)."""
+        with self._lock:
+            batch, self._batch, self._armed = self._batch, [], False
+        if batch:
+            self._put("".join(json.dumps(r) + "\n" for r in batch))
+
+    def _put(self, line: str) -> None:
         if self._deferred:
             pending, self._deferred = self._deferred, []
             line = "".join(pending) + line
@@ -113,4 +163,6 @@ class SpanLog:
             self._deferred.append(line)
 
     def close(self) -> None:
+        self._loop = None  # from here every line goes out at once
+        self.flush()
         self._f.close()
