@@ -38,3 +38,26 @@ def test_a_line_that_is_not_a_json_object_is_a_typed_error_naming_the_line(tmp_p
     path.write_bytes(b'{"event": "a"}\n{"cut')
     with pytest.raises(EventLogError, match=r":2: not a JSON event"):
         list(EventLog(path, 0, []))
+
+
+def test_events_on_the_loop_are_written_in_a_batch_within_flush_s_and_all_by_close(tmp_path):
+    import asyncio
+
+    from phalanx.runtime.event_log import EventsWriter
+
+    path = tmp_path / "events.jsonl"
+    w = EventsWriter(path)
+
+    async def main():
+        w.write({"event": "a"})
+        w.write({"event": "b"})
+        assert path.read_text() == ""  # waiting for the batch
+        await asyncio.sleep(event_log.FLUSH_S + 0.1)
+        assert [json.loads(x)["event"] for x in path.read_text().splitlines()] == ["a", "b"]
+        w.write({"event": "c"})
+
+    asyncio.run(main())
+    w.write({"event": "d"})  # no loop running: after what waits, at once
+    assert [json.loads(x)["event"] for x in path.read_text().splitlines()] == ["a", "b", "c", "d"]
+    w.close()
+    assert w.closed

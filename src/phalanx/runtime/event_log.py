@@ -1,6 +1,7 @@
-"""A launch's events, read back from ``RUN/events.jsonl`` rather than kept twice.
+"""A launch's events: written to ``RUN/events.jsonl`` (``EventsWriter``) and read back from it
+rather than kept twice (``EventLog``).
 
-The launcher writes every event to events.jsonl as it happens (line-buffered). It used to keep a
+The launcher writes every event to events.jsonl, in batches at most ``FLUSH_S`` apart. It used to keep a
 second copy of each in a list for ``LaunchResult.events``: one dict per committed step and more,
 growing in the coordinator's process for the whole run. :class:`EventLog` reads the launch's part
 of the file back on demand (from the offset where this launch began: a resumed run appends to the
@@ -10,8 +11,10 @@ holds the file open, so it outlives a temporary run folder.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,50 @@ from typing import Any
 from phalanx.core.errors import PhalanxError
 
 _CHUNK_BYTES = 1 << 20
+FLUSH_S = 0.25  # an event on the launcher's loop reaches the file at most this much later
+
+
+class EventsWriter:
+    """``RUN/events.jsonl`` as the launcher appends it. Events on the launcher's loop (the
+    coordinator's, the supervisor's, the fault injector's) are kept as records and encoded and
+    written together from a timer on that loop, at most ``FLUSH_S`` after the first of a batch: the
+    coordinator's ``step_committed``, encoded and written one by one, sat between a step's last
+    report and its decisions (docs/BENCHMARKS.md, session 32). An event from any other thread, or
+    with no loop running, goes out at once, after what waits. ``close`` writes what waits."""
+
+    def __init__(self, path: Path) -> None:
+        self._f = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
+        self._batch: list[dict[str, Any]] = []
+        self._armed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def write(self, ev: dict[str, Any]) -> None:
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        with self._lock:
+            self._batch.append(ev)
+            arm = loop is not None and not self._armed
+            self._armed = self._armed or arm
+        if loop is None:
+            self.flush()
+        elif arm:
+            loop.call_later(FLUSH_S, self.flush)
+
+    def flush(self) -> None:
+        with self._lock:
+            batch, self._batch, self._armed = self._batch, [], False
+            if batch and not self._f.closed:
+                self._f.write("".join(json.dumps(ev) + "\n" for ev in batch))
+
+    def close(self) -> None:
+        self.flush()
+        self._f.close()
 
 
 class EventLogError(PhalanxError):

@@ -30,7 +30,7 @@ from phalanx.membership.commit_log import COMMITS_FILE, CommitHistory, CommitLog
 from phalanx.membership.coordinator import Coordinator, CoordinatorConfig
 from phalanx.membership.failure_detector import DetectorConfig
 from phalanx.membership.quorum import QuorumConfig
-from phalanx.runtime.event_log import EventLog
+from phalanx.runtime.event_log import EventLog, EventsWriter
 from phalanx.runtime.fault_injector import FaultInjector
 from phalanx.runtime.launcher_faults import (
     CoordinatorHolder, DurableFloor, LauncherFaults, network_seams_env, split_plan,
@@ -139,7 +139,7 @@ class _Run:
             write_token_file(self.token_path, generate_token())  # a fresh token for every local run, mode 600
         self.token = read_token_file(self.token_path)
         self.late_events: list[dict[str, Any]] = []  # after events.jsonl closed; the rest is read back from it
-        self.events_file = open(cfg.run_dir / "events.jsonl", "a", buffering=1)
+        self.events_file = EventsWriter(cfg.run_dir / "events.jsonl")
         self.events_start = (cfg.run_dir / "events.jsonl").stat().st_size  # a resumed run appends to the file
         self.timeline = FaultTimeline()  # when faults fire and what they did: one for the whole run
         self.injector: FaultInjector | None = None
@@ -171,7 +171,7 @@ class _Run:
         elif self.floor is not None and ev.get("event") == "step_committed":
             self.floor.raise_to(int(ev["quorum_id"]), int(ev["step"]), tuple(ev["members"]))
         if not self.events_file.closed:
-            self.events_file.write(json.dumps(ev) + "\n")
+            self.events_file.write(ev)
         else:  # late events during shutdown are kept in memory only
             self.late_events.append(ev)
         self.timeline.observe(ev, now)
