@@ -97,10 +97,10 @@ def test_the_control_threads_lines_wait_at_most_flush_s_and_none_is_lost_at_clos
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(5)  # bound by now
         asyncio.run_coroutine_threadsafe(_on_loop(lambda: log.event("committed", step=1)), loop).result(5)
         log.span("allreduce", time.monotonic(), step=1)  # the user's thread's span joins the batch
-        log.event("rolled_back", step=1)  # ... its events go out at once
-        assert _events(path) == ["rolled_back"]
+        log.event("speculation_undone", step=1)  # ... its events go out at once
+        assert _events(path) == ["speculation_undone"]
         time.sleep(torch_state.FLUSH_S + 0.2)  # the loop's timer wrote the batch
-        assert _events(path) == ["rolled_back", "committed", "allreduce"]
+        assert _events(path) == ["speculation_undone", "committed", "allreduce"]
         for i in range(torch_state.BATCH_MAX):  # a full batch goes out without waiting for the timer
             asyncio.run_coroutine_threadsafe(_on_loop(lambda i=i: log.event("committed", step=i)), loop).result(5)
         assert len(_events(path)) == 3 + torch_state.BATCH_MAX

@@ -94,7 +94,7 @@ class SpanLog:
     ``close`` or exit). Encoded and written one by one, each step's ``committed`` and
     ``quorum_wait`` held the GIL 60-80 us while the user's thread was waking up from its verdict,
     and its ``allreduce`` span delayed the optimizer (docs/BENCHMARKS.md, session 32). Any other
-    thread's events (a fault's, a rollback's) go out at once. The file's lines are then not in time
+    thread's events (a fault's, an undone speculation's) go out at once. The file's lines are then not in time
     order across threads; every record carries its own ``mono``. A SIGKILLed worker loses what was
     still waiting: at most its last ``FLUSH_S`` of spans and control-thread events.
 
