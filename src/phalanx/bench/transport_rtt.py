@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phalanx.core import event_loop
-from phalanx.core.codec import body_length, encode_body
+from phalanx.core import auth, event_loop
+from phalanx.core.codec import LEN, body_length, encode_body
 from phalanx.core.messages import AllreduceDone, StepDecision
 from phalanx.transport.tcp import TcpTransport
 
@@ -33,11 +33,16 @@ TOKEN = b"bench-transport-token-0123456789"
 REPORT = AllreduceDone(step=7, quorum_id=1, ok=True, error="", loss=1.5, samples_covered_once=True, compute_s=0.04,
                        allreduce_s=0.001, next_step=8)
 DECISION = StepDecision(step=7, quorum_id=1, commit=True, reason="", loss=1.25)
-FRAME_EXTRA = 4 + 32  # length and MAC
 
 
 def _frame_bytes(message: Any) -> int:
-    return body_length(encode_body(message)) + FRAME_EXTRA
+    return body_length(encode_body(message)) + LEN.size + auth.MAC_BYTES
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> None:
+    got = 0
+    while got < n:
+        got += len(conn.recv(n - got))
 
 
 def _serve(kind: str, n: int) -> None:
@@ -50,9 +55,7 @@ def _serve(kind: str, n: int) -> None:
         want, reply = _frame_bytes(REPORT), b"d" * _frame_bytes(DECISION)
         c0 = time.thread_time()
         for _ in range(n):
-            got = 0
-            while got < want:
-                got += len(conn.recv(want - got))
+            _recv_exactly(conn, want)
             conn.sendall(reply)
         print((time.thread_time() - c0) / n, flush=True)
         return
@@ -84,9 +87,7 @@ def _client(kind: str, port: int, n: int, gap_s: float) -> tuple[list[float], fl
         for _ in range(n):
             t0 = time.monotonic()
             conn.sendall(msg)
-            got = 0
-            while got < want:
-                got += len(conn.recv(want - got))
+            _recv_exactly(conn, want)
             lat.append(time.monotonic() - t0)
             time.sleep(gap_s)
         return lat, (time.thread_time() - c0) / n

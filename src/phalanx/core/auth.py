@@ -72,10 +72,7 @@ def session_key(token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes
 
 def frame_mac(key: bytes, direction: bytes, seq: int, parts: list[bytes | memoryview]) -> bytes:
     """MAC over direction (b'C' client->server, b'S' server->client), sequence number and body."""
-    h = hmac.new(key, direction + seq.to_bytes(8, "big"), hashlib.sha256)
-    for part in parts:
-        h.update(part)
-    return h.digest()
+    return frame_mac_with(frame_mac_key(key), direction, seq, parts)
 
 
 def frame_mac_key(key: bytes) -> hmac.HMAC:

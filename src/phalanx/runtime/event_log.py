@@ -14,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from phalanx.core.errors import PhalanxError
+from phalanx.core.jsonl_batch import JsonLinesBatch
 
 _CHUNK_BYTES = 1 << 20
 FLUSH_S = 0.25  # an event on the launcher's loop reaches the file at most this much later
+BATCH_MAX = 1024  # ... or once this many wait
 
 
 class EventsWriter:
@@ -35,9 +36,7 @@ class EventsWriter:
 
     def __init__(self, path: Path) -> None:
         self._f = open(path, "a", buffering=1)
-        self._lock = threading.Lock()
-        self._batch: list[dict[str, Any]] = []
-        self._armed = False
+        self._batch = JsonLinesBatch(self._put, FLUSH_S, BATCH_MAX)
 
     @property
     def closed(self) -> bool:
@@ -48,23 +47,16 @@ class EventsWriter:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        with self._lock:
-            self._batch.append(ev)
-            arm = loop is not None and not self._armed
-            self._armed = self._armed or arm
+        self._batch.add(ev, loop)
         if loop is None:
-            self.flush()
-        elif arm:
-            loop.call_later(FLUSH_S, self.flush)
+            self._batch.flush()
 
-    def flush(self) -> None:
-        with self._lock:
-            batch, self._batch, self._armed = self._batch, [], False
-            if batch and not self._f.closed:
-                self._f.write("".join(json.dumps(ev) + "\n" for ev in batch))
+    def _put(self, lines: str) -> None:
+        if not self._f.closed:
+            self._f.write(lines)
 
     def close(self) -> None:
-        self.flush()
+        self._batch.flush()
         self._f.close()
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from phalanx.core.jsonl_batch import JsonLinesBatch
 from phalanx.train.step_buffer import MergeLayout
 from phalanx.train.worker_agent import Assignment, HealedState
 
@@ -108,9 +109,7 @@ class SpanLog:
         self._f = open(path, "a", buffering=1)
         self._wid = worker_id
         self._deferred: list[str] = []
-        self._lock = threading.Lock()  # the batch: appended on the control thread, flushed there or at close
-        self._batch: list[dict[str, Any]] = []
-        self._armed = False  # the flush timer is set
+        self._batch = JsonLinesBatch(self._put, FLUSH_S, BATCH_MAX)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = -1
         atexit.register(self.flush)  # a script that never calls job.close() still gets every line
@@ -134,22 +133,12 @@ class SpanLog:
         on_loop = loop is not None and threading.get_ident() == self._loop_thread
         if loop is None or not (on_loop or is_span):
             self._put(json.dumps(record) + "\n")
-            return
-        with self._lock:  # encoded when written: json.dumps was most of the cost
-            self._batch.append(record)
-            n, arm = len(self._batch), on_loop and not self._armed
-            self._armed = self._armed or arm
-        if arm:  # only the loop's own thread may set its timers; it records something every step
-            loop.call_later(FLUSH_S, self.flush)
-        if n >= BATCH_MAX:
-            self.flush()
+        else:  # the control thread sets the timer; it records something every step
+            self._batch.add(record, loop if on_loop else None)
 
     def flush(self) -> None:
         """Write the waiting batch (on the control thread's timer, or at close)."""
-        with self._lock:
-            batch, self._batch, self._armed = self._batch, [], False
-        if batch:
-            self._put("".join(json.dumps(r) + "\n" for r in batch))
+        self._batch.flush()
 
     def _put(self, line: str) -> None:
         if self._deferred:
