@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from phalanx.collectives.group_teardown import Graveyard, drop_on_thread, lower_priority, native_threads, threads_since
 from phalanx.collectives.signed_store import signed_store
+from phalanx.collectives.store_spares import StoreSpares
 from phalanx.core.errors import CollectiveError, ConfigError
 
 BACKEND_SETTINGS = ("auto", "gloo")  # PHALANX_BACKEND
@@ -259,7 +260,10 @@ class TorchProcessGroupFactory:
         self._connect = lambda: dist.TCPStore(host, int(port), is_master=False,
                                               timeout=datetime.timedelta(seconds=connect_timeout_s))
         self._token, self._run_id = token, run_id
-        self._connect()  # an unreachable store fails here, at join, not at the first quorum
+        # connections made ahead of need (store_spares.py); the first checks the store at join, so
+        # an unreachable one fails here, not at the first quorum, and is the first group's
+        self._spares = StoreSpares(self._connect)
+        self._spares.offer(self._connect())
         # Keys are namespaced by a secret derived from the cluster token, so a party without the
         # token cannot guess them to hijack rendezvous (the TCPStore itself is unauthenticated).
         self._namespace = hmac.new(token, b"phalanx-store", hashlib.sha256).hexdigest()[:16]
@@ -271,8 +275,9 @@ class TorchProcessGroupFactory:
         build that waits on a member that hangs mid-rendezvous (a GIL hang, SIGSTOP) blocks its
         connection until its deadline; on a shared one the next quorum's build waited behind it
         (4.45 s in a demo run whose GIL hang landed during a group build). The group keeps it
-        referenced: torch holds only the C++ half, and a collected Python store loses its methods."""
-        return signed_store(self._connect(), self._token, self._run_id)
+        referenced: torch holds only the C++ half, and a collected Python store loses its methods.
+        Made ahead of need where it can be (``StoreSpares``): a connect can wait seconds on DNS."""
+        return signed_store(self._spares.take(), self._token, self._run_id)
 
     async def create(self, quorum_id: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroup:
         if world_size == 1:
@@ -289,6 +294,7 @@ class TorchProcessGroupFactory:
                 before = native_threads()
                 pg = self._dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
             except Exception as e:
+                self._spares.discard()  # the store may have gone: the next build connects afresh
                 loop.call_soon_threadsafe(_settle, result, None, e)
                 return
             loop.call_soon_threadsafe(_settle, result, (pg, threads_since(before)), None)
