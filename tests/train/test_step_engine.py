@@ -56,6 +56,9 @@ class FakeAgent:
     async def exchange(self, a):
         return Exchange(LocalProcessGroup(a.quorum_id))
 
+    def open_exchange(self, a, formed=None):
+        return Exchange(LocalProcessGroup(a.quorum_id))
+
     async def allreduce(self, a, ex, tail, verify, compute_s, next_step=-1):
         if self.vote_errors:
             raise self.vote_errors.pop(0)

@@ -20,7 +20,9 @@ Record = dict[str, Any]
 # category -> the worker spans summed into it; the order is the stacking order of the bars
 TIME_CATEGORIES: dict[str, tuple[str, ...]] = {
     "compute": ("compute",),
-    "communicating": ("allreduce", "exchange_open"),  # exchange_open: a new quorum builds its group
+    # not exchange_open (a new quorum's group forming): it runs while the body computes, and what
+    # the vote still waits for it is in the allreduce span
+    "communicating": ("allreduce",),
     "waiting": ("quorum_wait",),
     "healing": ("heal", "heal_serve", "restore", "checkpoint"),
 }

@@ -7,13 +7,17 @@ simulator from its loop. The vote then starts the small tail (coverage and loss)
 everything with one deadline, and only then reports. Order is the contract: every rank starts the
 same collectives in the same order (buckets by index, then the tail), whoever starts them.
 
+A new quorum's group forms while the body computes (``opening``): what the body launches before
+it has formed waits, in order, and ``opened`` starts it all at once; the vote waits for the
+forming (``opening``), then for the collectives.
+
 No torch, thread or clock here: tensors are opaque and the process group is the seam.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from phalanx.collectives.process_group import Pending, ProcessGroup
@@ -32,9 +36,12 @@ class Exchange:
     the body has launched everything it will (it is blocked in the vote meanwhile).
     """
 
-    def __init__(self, pg: ProcessGroup | None, failed: str = "") -> None:
+    def __init__(self, pg: ProcessGroup | None, failed: str = "", opening: Awaitable[Any] | None = None) -> None:
         self.pg = pg
         self.failed = failed  # why this attempt cannot all-reduce ("" = it can)
+        # the group's forming, when ``pg`` is not there yet: done once ``opened`` or ``open_failed``
+        # has been called (a task of the worker's agent: QuorumGroups.open_exchange)
+        self.opening = opening
         self._pending: list[Pending] = []
         self._queued: list[tuple[Any, float]] = []  # to issue from the loop, in order
         self._lock = threading.Lock()
@@ -44,10 +51,35 @@ class Exchange:
     def broken(cls, why: str) -> "Exchange":
         return cls(None, why)
 
+    def opened(self, pg: ProcessGroup) -> None:
+        """The group has formed (on the loop): start what the body queued meanwhile, in order."""
+        with self._lock:
+            self.pg, queued, self._queued = pg, self._queued, []
+            for i, (tensor, share) in enumerate(queued):
+                if self.failed:
+                    return
+                try:
+                    pending = pg.start_allreduce_sum(tensor, share)
+                except CollectiveError as e:
+                    self.failed = str(e)
+                    return
+                if pending is None:  # not now: the rest goes out from the loop, in order
+                    self._queued = queued[i:]
+                    return
+                self._pending.append(pending)
+
+    def open_failed(self, why: str) -> None:
+        with self._lock:
+            self.failed = self.failed or why
+
     def launch(self, tensor: Any, share: float = 1.0) -> None:
         """Start summing ``tensor`` in place across the quorum (or queue it, keeping the order)."""
         with self._lock:
-            if self.failed or self.pg is None:
+            if self.failed:
+                return
+            if self.pg is None:
+                if self.opening is not None:  # forming: ``opened`` starts it
+                    self._queued.append((tensor, share))
                 return
             if not self._queued:
                 try:
@@ -93,6 +125,8 @@ class Exchange:
     async def complete(self, timeout_s: float, now: Callable[[], float]) -> None:
         """Issue what was queued, then wait for every collective (one deadline for all).
         Raises CollectiveError; a cancelled wait abandons the group (the step was aborted)."""
+        if self.opening is not None and not self.failed and self.pg is None:
+            await self.opening  # the group's forming (its own deadline): opened or open_failed
         if self.failed or self.pg is None:
             raise CollectiveError(self.failed or "no process group")
         deadline_s = now() + timeout_s

@@ -9,7 +9,8 @@ The engine is asyncio code behind seams and touches no torch, clock, thread or s
 - ``StepBody``: what runs between acquire and commit. Real runs hand each ticket to the user's
   thread (``Job.steps()`` in :mod:`phalanx.train.api`); the simulator sleeps the compute time in
   virtual time and computes a numpy gradient (:mod:`phalanx.sim.worker`). Each ticket carries the
-  step's :class:`~phalanx.train.exchange.Exchange`, open on the quorum's process group, so the body
+  step's :class:`~phalanx.train.exchange.Exchange` on the quorum's process group (a new quorum's
+  forms while the body computes), so the body
   starts its gradient buckets' all-reduces as they become ready; it then calls
   :meth:`StepEngine.vote` once with the small tail (coverage and loss, :mod:`phalanx.train.step_buffer`);
 - ``TrainingState``: restore a checkpoint, load a heal, write a checkpoint, build and apply a
@@ -155,9 +156,11 @@ class StepEngine:
                 a = await self._acquire(step, total)
                 if a.step >= total or a.catch_up:
                     return  # a catch-up restored or healed the final state
+                # open before the body computes, so buckets start early; a new quorum's group
+                # forms meanwhile (the vote waits for it if it must)
                 t0 = self.now
-                ex = await self.agent.exchange(a)  # ready before the body computes: buckets start early
-                self.obs.span("exchange_open", t0, step=a.step, quorum_id=a.quorum_id)  # a new id builds its group
+                ex = self.agent.open_exchange(a, lambda a=a, t0=t0: self.obs.span(  # type: ignore[misc]
+                    "exchange_open", t0, step=a.step, quorum_id=a.quorum_id))
                 ticket = Ticket(a, a.step, exchange=ex)
             if ticket.exchange is not None and ticket.exchange.failed and not ticket.handed:
                 # the group did not form: say so (the step aborts) without computing
