@@ -1,5 +1,5 @@
 """The fidelity benchmark's readings of a real run: the group build gap of each new quorum (from
-the workers' spans) and where the time went, step by step (from the commits)."""
+the workers' ``exchange_open`` spans) and where the time went, step by step (from the commits)."""
 
 import pytest
 
@@ -15,27 +15,25 @@ def _span(node, name, step, mono, dur, qid=None):
             **({"quorum_id": qid} if qid is not None else {})}
 
 
-def test_group_build_gap_runs_from_the_last_member_ready_to_the_last_member_computing():
+def test_group_build_gap_runs_from_the_last_member_asking_for_the_group_to_the_last_holding_it():
     commits = [_commit(9, 1, ["w0", "w1"]), _commit(10, 2, ["w0", "w1", "w2"]), _commit(11, 2, ["w0", "w1", "w2"])]
     spans = [
-        _span("w0", "quorum_wait", 10, 1.00, 0.01, 2), _span("w0", "heal_serve", 10, 1.00, 0.03),
-        _span("w1", "quorum_wait", 10, 1.00, 0.00, 2),
-        _span("w2", "heal", 10, 1.00, 0.05, 2),  # the joiner heals last: ready at 1.05
-        _span("w0", "compute", 10, 1.07, 0.05, 2), _span("w1", "compute", 10, 1.06, 0.05, 2),
-        _span("w2", "compute", 10, 1.08, 0.05, 2),  # the last starts at 1.08
-        # step 11 keeps quorum 2: not a build
-        _span("w0", "quorum_wait", 11, 1.20, 0.0, 2), _span("w0", "compute", 11, 1.30, 0.05, 2),
+        _span("w0", "exchange_open", 10, 1.01, 0.06, 2), _span("w1", "exchange_open", 10, 1.00, 0.07, 2),
+        _span("w2", "exchange_open", 10, 1.05, 0.03, 2),  # the joiner heals first: asks last, at 1.05
+        # the group forms once all are there; the last to hold it does so at 1.08
+        _span("w0", "compute", 10, 1.01, 0.05, 2), _span("w2", "compute", 10, 1.05, 0.05, 2),
+        # step 11 keeps quorum 2: no build
+        _span("w0", "compute", 11, 1.30, 0.05, 2),
     ]
     assert group_build_gaps_s(commits, spans) == [pytest.approx(0.03)]
 
 
-def test_group_build_gap_ignores_spans_of_an_aborted_attempt_and_members_without_spans():
+def test_group_build_gap_ignores_other_attempts_and_quorums_a_member_left_no_span_for():
     commits = [_commit(4, 1, ["w0", "w1"]), _commit(5, 3, ["w0", "w1"]), _commit(6, 4, ["w0", "w9"])]
     spans = [
-        _span("w0", "compute", 5, 0.50, 0.05, 2),  # quorum 2's attempt, rolled back
-        _span("w0", "quorum_wait", 5, 0.60, 0.01, 3), _span("w1", "quorum_wait", 5, 0.60, 0.02, 3),
-        _span("w0", "compute", 5, 0.64, 0.05, 3), _span("w1", "compute", 5, 0.63, 0.05, 3),
-        _span("w0", "quorum_wait", 6, 0.80, 0.0, 4), _span("w0", "compute", 6, 0.81, 0.05, 4),  # w9 left none
+        _span("w0", "exchange_open", 5, 0.50, 0.05, 2),  # quorum 2's attempt, rolled back
+        _span("w0", "exchange_open", 5, 0.61, 0.03, 3), _span("w1", "exchange_open", 5, 0.62, 0.01, 3),
+        _span("w0", "exchange_open", 6, 0.80, 0.01, 4),  # w9 left none
     ]
     assert group_build_gaps_s(commits, spans) == [pytest.approx(0.64 - 0.62)]
 

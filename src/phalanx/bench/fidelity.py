@@ -119,32 +119,23 @@ def _span_records(run_dir: Path) -> list[dict[str, Any]]:
 
 def group_build_gaps_s(commits: list[Any], spans: list[dict[str, Any]]) -> list[float]:
     """For the first step of each new quorum (its quorum id differs from the step before's): the
-    time from the last member ready to build (its quorum wait, heal or heal serving done) to the
-    last member starting to compute. A worker builds the quorum's Gloo group in between (no span of
-    its own), and a real group forms only once every rank has arrived; in a step with an unchanged
-    quorum this interval is ~0 (the group is open). What ``CollectiveModel.group_build_s`` stands for."""
-    by_node_step: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    time from the last member starting to build the quorum's Gloo group to the last member having
+    it (each member's ``exchange_open`` span: from asking for the group, as its body starts to
+    compute, to holding it). A real group forms only once every rank has arrived, so this is the
+    build after the rendezvous: what ``CollectiveModel.group_build_s`` stands for (plus the two
+    alphas of the store)."""
+    by_step: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in spans:
-        by_node_step.setdefault((r["node"], r["step"]), []).append(r)
+        if r["span"] == "exchange_open":
+            by_step.setdefault((r["step"], r.get("quorum_id", -1)), []).append(r)
     out = []
     for prev, c in zip(commits, commits[1:]):
         qid, step = _field(c, "quorum_id"), _field(c, "step")
         if qid == _field(prev, "quorum_id"):
             continue
-        readies, starts = [], []
-        for m in _field(c, "members"):
-            recs = by_node_step.get((m, step), [])
-            compute = [r["mono"] for r in recs if r["span"] == "compute" and r.get("quorum_id") == qid]
-            if not compute:
-                break
-            ends = [r["mono"] + r["dur"] for r in recs if r["span"] in ("quorum_wait", "heal", "heal_serve")
-                    and r["mono"] + r["dur"] <= compute[0]]
-            if not ends:
-                break
-            readies.append(max(ends))
-            starts.append(compute[0])
-        else:
-            out.append(max(starts) - max(readies))
+        recs = {r["node"]: r for r in by_step.get((step, qid), [])}
+        if recs and all(m in recs for m in _field(c, "members")):
+            out.append(max(r["mono"] + r["dur"] for r in recs.values()) - max(r["mono"] for r in recs.values()))
     return out
 
 

@@ -28,8 +28,8 @@ class CollectiveModel:
     beta_s_per_byte: float = 1 / 1.25e9  # inverse bandwidth
     # Building a quorum's group, beyond the two alphas of the store rendezvous: a real Gloo group
     # connects every pair of ranks once every rank has arrived (torch's new group over a TCPStore).
-    # Charged once per quorum id, on its group's first collective, which waits for the last rank
-    # as the real rendezvous does. 0 (the default): not charged (the sweeps' model).
+    # Each rank's ``create`` waits for the last rank of its quorum to arrive, as the real
+    # rendezvous does, then this long. 0 (the default): no more than the rendezvous (the sweeps' model).
     group_build_s: float = 0.0
 
     def allreduce_s(self, world: int, nbytes: int) -> float:
@@ -83,7 +83,23 @@ class _Group:
         self.quorum_id, self.world = quorum_id, world
         self.ops: dict[int, _Op] = {}
         self.busy_until_s = 0.0  # the group's links carry one collective at a time
-        self.built = False  # its build cost (CollectiveModel.group_build_s) is charged once, first
+        self.arrived: set[int] = set()  # the ranks that have come to build it (the rendezvous)
+        self.formed: asyncio.Future[None] | None = None  # done once every rank has come
+
+    async def rendezvous(self, rank: int, timeout_s: float) -> None:
+        """Wait until every rank of the group has come to build it, as a real group's store
+        rendezvous does (a rank that never comes, crashed or frozen, holds the others until their
+        deadline, or until the coordinator breaks the quorum and the caller is interrupted)."""
+        if self.formed is None:
+            self.formed = asyncio.get_running_loop().create_future()
+        self.arrived.add(rank)
+        if len(self.arrived) >= self.world and not self.formed.done():
+            self.formed.set_result(None)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.formed), timeout_s)
+        except asyncio.TimeoutError as e:
+            raise CollectiveError(f"process group for quorum {self.quorum_id} did not form within {timeout_s:.1f} s "
+                                  f"({len(self.arrived)} of {self.world} ranks came)") from e
 
 
 class SimProcessGroupFactory:
@@ -114,7 +130,11 @@ class _NodeFactory:
         self.shared, self.node = shared, node
 
     async def create(self, quorum_id: int, rank: int, world_size: int, timeout_s: float) -> "SimProcessGroup":
-        await asyncio.sleep(self.shared.model.alpha_s * 2)  # rendezvous through the store
+        if world_size > 1:
+            await self.shared.group(quorum_id, world_size).rendezvous(rank, timeout_s)
+        model = self.shared.model
+        # the store round trips, then every pair connecting (real runs: torch's new Gloo group)
+        await asyncio.sleep(model.alpha_s * 2 + (model.group_build_s if world_size > 1 else 0.0))
         return SimProcessGroup(self.shared, self.node, quorum_id, rank, world_size)
 
 
@@ -163,11 +183,7 @@ class SimProcessGroup:
         self.shared.collectives += 1
         loop = asyncio.get_running_loop()
         model = self.shared.model
-        # the group's first collective starts once every rank is there: that is when a real group
-        # finishes connecting, so the build is charged then, once per quorum id
-        build_s = 0.0 if g.built else model.group_build_s
-        g.built = True
-        done_at = max(op.last_arrival_s, g.busy_until_s) + build_s + model.allreduce_s(self.world_size, nbytes)
+        done_at = max(op.last_arrival_s, g.busy_until_s) + model.allreduce_s(self.world_size, nbytes)
         g.busy_until_s = done_at
 
         def finish() -> None:
