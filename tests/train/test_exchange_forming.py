@@ -177,3 +177,18 @@ def test_a_quorum_broken_while_its_group_forms_fails_the_exchange() -> None:
             await ex.complete(1.0, lambda: 0.0)
 
     asyncio.run(main())
+
+
+def test_a_forming_cancelled_elsewhere_fails_the_vote_it_does_not_cancel_it() -> None:
+    async def main() -> None:
+        factory = _Factory()
+        agent = _Agent(factory)
+        ex = agent.open_exchange(_a(6))
+        await asyncio.sleep(0)
+        voting = asyncio.ensure_future(ex.complete(1.0, lambda: 0.0))
+        await asyncio.sleep(0)
+        ex.opening.cancel()  # e.g. a newer quorum's open_exchange let this one go
+        with pytest.raises(CollectiveError, match="cancelled"):
+            await voting
+
+    asyncio.run(main())

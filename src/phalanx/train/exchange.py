@@ -11,11 +11,13 @@ A new quorum's group forms while the body computes (``opening``): what the body 
 it has formed waits, in order, and ``opened`` starts it all at once; the vote waits for the
 forming (``opening``), then for the collectives.
 
-No torch, thread or clock here: tensors are opaque and the process group is the seam.
+No torch or clock here (asyncio only to wait for a forming group): tensors are opaque and the
+process group is the seam.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,12 +38,12 @@ class Exchange:
     the body has launched everything it will (it is blocked in the vote meanwhile).
     """
 
-    def __init__(self, pg: ProcessGroup | None, failed: str = "", opening: Awaitable[Any] | None = None) -> None:
+    def __init__(self, pg: ProcessGroup | None, failed: str = "") -> None:
         self.pg = pg
         self.failed = failed  # why this attempt cannot all-reduce ("" = it can)
         # the group's forming, when ``pg`` is not there yet: done once ``opened`` or ``open_failed``
         # has been called (a task of the worker's agent: QuorumGroups.open_exchange)
-        self.opening = opening
+        self.opening: Awaitable[Any] | None = None
         self._pending: list[Pending] = []
         self._queued: list[tuple[Any, float]] = []  # to issue from the loop, in order
         self._lock = threading.Lock()
@@ -126,7 +128,13 @@ class Exchange:
         """Issue what was queued, then wait for every collective (one deadline for all).
         Raises CollectiveError; a cancelled wait abandons the group (the step was aborted)."""
         if self.opening is not None and not self.failed and self.pg is None:
-            await self.opening  # the group's forming (its own deadline): opened or open_failed
+            try:
+                await self.opening  # the group's forming (its own deadline): opened or open_failed
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if me is None or me.cancelling():
+                    raise  # this wait itself was cancelled (the step aborted, the worker ends)
+                self.failed = self.failed or "the group's forming was cancelled"
         if self.failed or self.pg is None:
             raise CollectiveError(self.failed or "no process group")
         deadline_s = now() + timeout_s

@@ -89,6 +89,9 @@ class QuorumGroups:
         except (CollectiveError, QuorumBroken, CoordinatorLost) as e:
             ex.open_failed(str(e))
             return
+        except asyncio.CancelledError:
+            ex.open_failed(f"the forming of quorum {a.quorum_id}'s group was cancelled")
+            raise
         ex.opened(pg)
         if formed is not None:
             formed()
