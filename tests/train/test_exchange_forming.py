@@ -8,21 +8,15 @@ from typing import Any
 
 import pytest
 
+from phalanx.collectives.process_group import LocalProcessGroup
 from phalanx.core.errors import CollectiveError
 from phalanx.train.assignment import Assignment
 from phalanx.train.exchange import Exchange
 from phalanx.train.quorum_groups import QuorumGroups
 
 
-class _Done:
-    async def wait(self, timeout_s: float) -> None:
-        return None
-
-    def wait_here(self, slice_s: float) -> bool:
-        return True
-
-    def wake(self) -> None:
-        return None
+def _done() -> Any:
+    return LocalProcessGroup(0).start_allreduce_sum(None)  # a collective already finished
 
 
 class _Group:
@@ -36,11 +30,11 @@ class _Group:
         self.issued: list[Any] = []  # from the loop, with allreduce_sum
         self.defer_after = defer_after  # start_allreduce_sum answers None from this many on
 
-    def start_allreduce_sum(self, tensor: Any, share: float = 1.0) -> _Done | None:
+    def start_allreduce_sum(self, tensor: Any, share: float = 1.0) -> Any:
         if self.defer_after is not None and len(self.started) >= self.defer_after:
             return None
         self.started.append((tensor, share, threading.current_thread().name))
-        return _Done()
+        return _done()
 
     async def allreduce_sum(self, tensor: Any, timeout_s: float) -> None:
         self.issued.append(tensor)
