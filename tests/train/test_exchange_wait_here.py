@@ -97,7 +97,7 @@ def test_queued_or_failed_exchanges_are_left_to_the_loop():
     ex.launch("bucket0")
     ex.wait_here(lambda: False, 5.0, clock)
     assert ex.waited_s == 0.0
-    broken = Exchange.broken("no group")
+    broken = Exchange(None, "no group")
     broken.wait_here(lambda: False, 5.0, clock)
     assert broken.waited_s == 0.0
 

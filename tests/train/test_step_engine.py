@@ -53,9 +53,6 @@ class FakeAgent:
     def take_grant(self, step, ready):
         return None
 
-    async def exchange(self, a):
-        return Exchange(LocalProcessGroup(a.quorum_id))
-
     def open_exchange(self, a, formed=None):
         return Exchange(LocalProcessGroup(a.quorum_id))
 

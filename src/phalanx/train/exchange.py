@@ -49,10 +49,6 @@ class Exchange:
         self._lock = threading.Lock()
         self.waited_s = 0.0  # spent in wait_here, on the body's thread, before the vote reached the loop
 
-    @classmethod
-    def broken(cls, why: str) -> "Exchange":
-        return cls(None, why)
-
     def opened(self, pg: ProcessGroup) -> None:
         """The group has formed (on the loop): start what the body queued meanwhile, in order."""
         with self._lock:

@@ -96,15 +96,6 @@ class QuorumGroups:
         if formed is not None:
             formed()
 
-    async def exchange(self, a: Assignment) -> Exchange:
-        """This attempt's collectives on the quorum's process group (formed now if it is new), so
-        the body can start all-reducing gradient buckets while it still computes. A group that
-        cannot form gives a broken exchange: the vote then reports the failure."""
-        try:
-            return Exchange(await self.process_group(a))
-        except (CollectiveError, QuorumBroken) as e:
-            return Exchange.broken(str(e))
-
     async def _race_broken(self, a: Assignment, coro: Any) -> Any:
         """Run ``coro`` unless the coordinator declares this quorum broken (or is lost) first.
 

@@ -162,12 +162,7 @@ class StepEngine:
                 ex = self.agent.open_exchange(a, lambda a=a, t0=t0: self.obs.span(  # type: ignore[misc]
                     "exchange_open", t0, step=a.step, quorum_id=a.quorum_id))
                 ticket = Ticket(a, a.step, exchange=ex)
-            if ticket.exchange is not None and ticket.exchange.failed and not ticket.handed:
-                # the group did not form: say so (the step aborts) without computing
-                v = await self.vote(a, ticket.exchange, None, lambda: (False, 0.0), 0.0)
-                result = BodyResult(False, 0, None, v.reason)
-            else:
-                result = await self.body.run(ticket)
+            result = await self.body.run(ticket)  # a group that cannot form fails its vote
             if result.committed:
                 await self._after_commit(a, a.step, result.loss)
                 step = a.step + 1
@@ -213,7 +208,7 @@ class StepEngine:
         g = self.agent.take_grant(step, plain)
         if g is None:
             return None
-        ticket = Ticket(g, g.step, exchange=await self.agent.exchange(g), handed=True)
+        ticket = Ticket(g, g.step, exchange=self.agent.open_exchange(g), handed=True)  # open: same quorum
         self._handed = ticket
         return ticket
 
@@ -375,7 +370,7 @@ class StepEngine:
         and the first merge is a plain average of identical states). Optimizer state stays local."""
         buffer, view = await self.state.merge_buffer(float(samples + 1), loss)
         t0 = self.now
-        ex = await self.agent.exchange(a)
+        ex = self.agent.open_exchange(a)
         ex.launch(buffer, 1.0)
         v = await self.vote(a, ex, None, lambda: MergeLayout.verify(view), 0.0)
         self.obs.span("allreduce", t0, step=k, quorum_id=a.quorum_id, commit=v.commit, reason=v.reason)
