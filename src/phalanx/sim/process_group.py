@@ -158,7 +158,9 @@ class SimProcessGroup:
             return _SimPending(self, fut, None)
         g = self.shared.group(self.quorum_id, self.world_size)
         seq, self._seq = self._seq, self._seq + 1
-        op = g.ops.setdefault(seq, _Op())
+        op = g.ops.get(seq)
+        if op is None:  # the first rank to arrive (setdefault would build an _Op for every rank)
+            op = g.ops[seq] = _Op()
         op.arrivals[self.rank] = (tensor, self.node, self.node.incarnation, fut)
         op.share = max(op.share, share)
         op.last_arrival_s = fut.get_loop().time()

@@ -81,6 +81,9 @@ class SimObserver(Protocol):
 
     def compute_s(self, w: "SimWorker", samples: int) -> float: ...
 
+    # whether span() keeps anything (a large cluster's trace is off): a worker skips the call when not
+    record_spans: bool | None
+
     def span(self, worker: str, name: str, start_s: float, **fields: Any) -> None: ...
 
     def on_worker_commit(self, w: "SimWorker", step: int, quorum_id: int, params: bytes) -> None: ...
@@ -143,11 +146,13 @@ class SimWorker:
 
     # ---- StepObserver ----
     def span(self, name: str, start_s: float, **fields: Any) -> None:
-        self.observer.span(self.worker_id, name, start_s, **fields)
+        if self.observer.record_spans:
+            self.observer.span(self.worker_id, name, start_s, **fields)
 
     def event(self, name: str, **fields: Any) -> None:
         assert self.agent is not None
-        self.observer.span(self.worker_id, name, self.agent.host.now(), **fields)
+        if self.observer.record_spans:
+            self.observer.span(self.worker_id, name, self.agent.host.now(), **fields)
 
     # ---- StepBody ----
     async def run(self, ticket: Ticket) -> BodyResult:
@@ -160,7 +165,7 @@ class SimWorker:
         compute_s = self.observer.compute_s(self, count)
         overlapped = cfg.overlap and not ticket.local and ticket.exchange is not None
         if overlapped:
-            buckets = await self._compute_overlapped(ticket, idx, compute_s, t0)
+            buf, buckets = await self._compute_overlapped(ticket, idx, compute_s, t0)
         else:
             await host.sleep(compute_s)
         if self.hang_s > 0:  # hung inside the step, heartbeats still flowing
@@ -177,40 +182,42 @@ class SimWorker:
         # the gradient in buckets, in order (as real runs start them from autograd hooks); the last
         # carries the tail after its gradients, as in real runs: the same Exchange and vote
         if not overlapped:
-            buckets = self._buckets(grad)
+            buf, buckets = self._step_buffer(grad)
             for b in buckets[:-1]:
                 ex.launch(b, len(b) / cfg.features)
-        layout = self._layout
-        last = len(buckets[-1])
-        carrier = np.empty(last + layout.size)
-        carrier[:last] = buckets[-1]
-        tail = carrier[last:]
+        layout, features = self._layout, cfg.features
+        tail = buf[features:]
         layout.fill(tail, offset, idx, loss / share, share)
         expected = self.env.expected_coverage(a.step)
         self.span("compute", t0, step=a.step, quorum_id=a.quorum_id)
         t1 = host.now()
-        ex.launch(carrier, last / cfg.features)
+        ex.launch(buckets[-1], (len(buckets[-1]) - len(tail)) / features)
         vote = await self.engine.vote(a, ex, None, lambda: layout.verify(tail, expected), host.now() - t0)
         self.span("allreduce", t1, step=a.step, quorum_id=a.quorum_id, commit=vote.commit)
         if not vote.commit:
             return BodyResult(False, count, None, vote.reason)  # rolled back: parameters untouched
-        buckets[-1] = carrier[:last]  # the last bucket's sum landed in the carrier
-        self.w = self.w - cfg.lr * np.concatenate(buckets)
+        self.w = self.w - cfg.lr * buf[:features]  # the summed gradient, in the step's buffer
         self.observer.on_worker_commit(self, a.step, a.quorum_id, self.w.tobytes())
         return BodyResult(True, count, vote.loss)
 
-    def _buckets(self, grad: np.ndarray) -> list[np.ndarray]:
-        """Views of ``grad`` in the configured number of buckets (np.array_split's bounds, computed once)."""
+    def _step_buffer(self, grad: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The step's one buffer, ``[gradient | tail]``, and its buckets: views in the configured
+        number (np.array_split's bounds, computed once), the last running on through the tail, as
+        a real run's last bucket carries the tail in its room."""
         if self._bucket_bounds is None:
             cfg = self.env.model_cfg
             n, k = cfg.features, max(1, min(cfg.grad_buckets, cfg.features))
             sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
             ends = list(itertools.accumulate(sizes))
             self._bucket_bounds = list(zip([0, *ends[:-1]], ends))
-        return [grad[a:b] for a, b in self._bucket_bounds]
+        features = len(grad)
+        buf = np.empty(features + self._layout.size)
+        buf[:features] = grad
+        bounds = self._bucket_bounds
+        return buf, [buf[a:b] for a, b in bounds[:-1]] + [buf[bounds[-1][0]:]]
 
     async def _compute_overlapped(self, ticket: Ticket, idx: np.ndarray, compute_s: float,
-                                  t0: float) -> list[np.ndarray]:
+                                  t0: float) -> tuple[np.ndarray, list[np.ndarray]]:
         """Compute with overlap (SimModelConfig.overlap): bucket k of B is ready, and enters its
         all-reduce, at compute * (k+1)/B, in order, as a real backward's hooks start them. The
         gradient's arithmetic is the same as without overlap (the parameters do not change during
@@ -221,12 +228,12 @@ class SimWorker:
         assert self.agent is not None and ticket.exchange is not None
         host, cfg = self.agent.host, self.env.model_cfg
         grad, _ = self.env.data.shard_gradient(self.w, idx)
-        buckets = self._buckets(grad)
+        buf, buckets = self._step_buffer(grad)
         for k, b in enumerate(buckets):
             await host.sleep(max(0.0, t0 + compute_s * (k + 1) / len(buckets) - host.now()))
             if k < len(buckets) - 1:  # the last, ready as the compute ends, goes with the tail
                 ticket.exchange.launch(b, len(b) / cfg.features)
-        return buckets
+        return buf, buckets
 
     # ---- TrainingState ----
     def _capture(self) -> tuple[bytes, list[memoryview], str]:

@@ -43,9 +43,10 @@ class RegressionData:
         gbs = self.cfg.global_batch_size
         if len(idx) == 0:  # more workers than samples (1,024 on a batch of 256): the same zeros, fast
             return np.zeros(self.cfg.features), 0.0
-        xs, ys = self.x[idx], self.y[idx]
-        err = xs @ w - ys
-        return (2.0 / gbs) * (xs.T @ err), float(err @ err) / gbs
+        # take and dot: the same BLAS calls, bit for bit, as x[idx] and xs.T @ err, for less per call
+        xs = self.x.take(idx, axis=0)
+        err = np.dot(xs, w) - self.y.take(idx)
+        return np.dot(err, xs) * (2.0 / gbs), float(np.dot(err, err)) / gbs
 
 
 def reference_params(cfg: SimModelConfig, steps: int) -> tuple[np.ndarray, list[float]]:
