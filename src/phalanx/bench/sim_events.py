@@ -1,7 +1,9 @@
 """Simulator benchmark: timer events/s of phalanx's virtual-time loop against SimPy and a plain
 asyncio loop, side by side in one run, plus wall time of a large simulated training run. The timer
 rows run 100 chains with delays of 1-7 ms, so instants are shared; the "distinct instants" rows
-(phalanx and SimPy alike) spread them as a cluster run's jittered latencies do.
+(phalanx and SimPy alike) spread them as a cluster run's jittered latencies do. The "ceiling" row
+is what this box's Python does with a heap alone, nothing run: events/s figures move several-fold
+from one box to another, so read them against it and against SimPy in the same run.
 
     python -m phalanx.bench sim [--events 400000] [--scale-workers 1024] [--scale-steps 100]
 """
@@ -93,6 +95,22 @@ def bench_simpy(total: int, spread_s: float = 0.0) -> float:
     return PROCS * per / (time.perf_counter() - t0)
 
 
+def bench_heap_ceiling(total: int) -> float:
+    """This box's ceiling for any heap-driven virtual-time loop in Python: each event only pops
+    its instant off a heapq of 100 and pushes the next (no callback, context, tie-break or timer
+    object). No loop that runs callbacks reaches it; it tells a slow box from a slow loop."""
+    import heapq
+
+    events = PROCS * _chain_count(total)
+    heap = [0.001 * (1 + i % 7) + i * DISTINCT_INSTANTS_S for i in range(PROCS)]
+    heapq.heapify(heap)
+    push, pop = heapq.heappush, heapq.heappop
+    t0 = time.perf_counter()
+    for _ in range(events):
+        push(heap, pop(heap) + 0.004)
+    return events / (time.perf_counter() - t0)
+
+
 def bench_plain_asyncio(total: int) -> float:
     """The stock loop, with zero delays (it would otherwise wait out real time)."""
     per = _chain_count(total)
@@ -153,7 +171,8 @@ def main() -> int:
                      ("phalanx virtual loop (asyncio tasks)", bench_virtual_tasks),
                      ("SimPy 4.1 (processes)", bench_simpy), ("plain asyncio (sleep 0)", bench_plain_asyncio),
                      ("phalanx virtual loop (callbacks, distinct instants)", distinct),
-                     ("SimPy 4.1 (processes, distinct instants)", distinct_simpy)]:
+                     ("SimPy 4.1 (processes, distinct instants)", distinct_simpy),
+                     ("ceiling: heapq pop + push alone, nothing run", bench_heap_ceiling)]:
         console.print(f"timer events: {name} ...")
         rates[name] = max(fn(args.events) for _ in range(2))
     ring = None
