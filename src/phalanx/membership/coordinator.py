@@ -60,8 +60,8 @@ class Coordinator(WorkerMessages):
         self._late_s = 0.0  # how late the running tick is: the coordinator itself was not running
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.refused: dict[str, int] = {}  # messages refused, by kind (events for the first few)
-        # quorum requests by how they came: a QuorumRequest, in a report (fast path), at an abort (_ask_again)
-        self.quorum_requests = {"sent": 0, "in_reports": 0, "on_abort": 0}
+        # quorum requests by how they came: a QuorumRequest message, or in a step's report (the fast path)
+        self.quorum_requests = {"sent": 0, "in_reports": 0}
         self._speed: dict[str, float] = {}  # available mode: share of the batch per compute second
         self._t0 = self._last_commit_s = host.now()
         self._floor_commit: tuple[int, frozenset[str]] | None = None  # see raise_floor
@@ -302,7 +302,6 @@ class Coordinator(WorkerMessages):
                 self._send(s, QuorumBroken(quorum_id=q.quorum_id, reason=why))
                 self._send(s, StepDecision(step=q.step, quorum_id=q.quorum_id, commit=False, reason=why))
         self.emit("step_aborted", step=q.step, quorum_id=q.quorum_id, reason=why)
-        self._ask_again(q, self.host.now())  # the redo's grant rides with the abort
 
     # ---- forming the next quorum ----
     def _job_finished(self) -> bool:
@@ -414,7 +413,8 @@ class Coordinator(WorkerMessages):
         return True
 
     def note_checkpoint(self, path: str, step: int) -> None:
-        self.checkpoint = (path, step) if step > self.checkpoint[1] else self.checkpoint
+        if step > self.checkpoint[1]:
+            self.checkpoint = (path, step)
 
 
 HOUSEKEEPING_S = 1.0  # how often the session-count self-check and the pruning of departed sessions run

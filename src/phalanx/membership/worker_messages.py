@@ -49,7 +49,6 @@ class WorkerMessages:
     _release_drainers: Callable[[], None]
     _suspect: Callable[[WorkerSession, SuspicionCause, str], None]
     _tick_soon: Callable[[], None]
-    _needs_coverage: bool
     _alarm: Any
     _outboxes: "Outboxes"
     def _refuse_message(self, s: WorkerSession, kind: str, why: str) -> None:
@@ -87,9 +86,8 @@ class WorkerMessages:
         finally:
             if session is self.sessions.get(session.worker_id):
                 self.sessions.disconnect(session, self.host.now())
-                if not session.done:  # decides the current step if it must, and forms the next
+                if not session.done:  # decides the current step if it must
                     self._suspect(session, SuspicionCause.CONNECTION_LOST, "connection lost")
-                    self._evaluate()  # now: an abort's grant must leave in the abort's frame
 
     def _welcome(self) -> Welcome:
         m = self.cfg.modes
@@ -115,7 +113,6 @@ class WorkerMessages:
             old.conn.close("replaced by a new incarnation")
             if old.healthy:
                 self._suspect(old, SuspicionCause.REPLACED, "replaced by a new incarnation")
-                self._evaluate()  # as for a lost connection: an abort's grant leaves with it
         self.max_id_seen = max(self.max_id_seen, hello.max_quorum_id_seen)
         if hello.has_state:
             self.cluster_step = max(self.cluster_step, hello.last_committed_step)
@@ -191,25 +188,6 @@ class WorkerMessages:
         self.quorum_requests["in_reports"] += 1
         s.requested_step = step
         s.phase = (fd.Phase.REQUESTED, now)
-
-    def _ask_again(self, q: Any, now: float) -> None:
-        """``q``'s step aborted: each member still healthy and connected will ask for that step
-        again as soon as its vote returns. Take those requests as made, so the next quorum forms
-        in this same turn and its grant goes out in the frame with the abort (outbox.py bundles
-        them), and the worker finds it there (``wait_for_quorum``'s early grant) without a round
-        trip after its doomed compute. Only when every such member holds the state the step starts
-        from (else a heal or restore decides: they ask the normal way), and not in local-sgd."""
-        if not self._needs_coverage:
-            return
-        again = [s for s in map(self.sessions.__getitem__, q.members) if s.healthy]
-        if not again or any(not s.has_state or s.last_committed_step != q.step - 1 for s in again):
-            return
-        for s in again:
-            self.sessions.set_waiting(s, True, now)
-            self.quorum_requests["on_abort"] += 1
-            s.requested_step = q.step
-            s.phase = (fd.Phase.REQUESTED, now)
-        self._form_blocked = False
 
     def _on_quorum_cancel(self, s: WorkerSession, m: QuorumCancel) -> bool:
         s.asked_when_suspected = False
