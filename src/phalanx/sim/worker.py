@@ -163,15 +163,16 @@ class SimWorker:
         idx = sharding.global_batch(ticket.step, cfg.dataset_size, gbs, cfg.seed)[offset : offset + count]
         t0 = host.now()
         compute_s = self.observer.compute_s(self, count)
+        # the arithmetic, once: the parameters hold still through the body (sums over the shard / gbs)
+        grad, loss = self.env.data.shard_gradient(self.w, idx)
         overlapped = cfg.overlap and not ticket.local and ticket.exchange is not None
         if overlapped:
-            buf, buckets = await self._compute_overlapped(ticket, idx, compute_s, t0)
+            buf, buckets = await self._compute_overlapped(ticket, grad, compute_s, t0)
         else:
             await host.sleep(compute_s)
         if self.hang_s > 0:  # hung inside the step, heartbeats still flowing
             hang, self.hang_s = self.hang_s, 0.0
             await host.sleep(hang)
-        grad, loss = self.env.data.shard_gradient(self.w, idx)  # sums over the shard / gbs
         share = count / gbs
         if ticket.local:  # local-sgd: a step on the shard's mean gradient, no vote
             self.w = self.w - cfg.lr * grad / share
@@ -216,7 +217,7 @@ class SimWorker:
         bounds = self._bucket_bounds
         return buf, [buf[a:b] for a, b in bounds[:-1]] + [buf[bounds[-1][0]:]]
 
-    async def _compute_overlapped(self, ticket: Ticket, idx: np.ndarray, compute_s: float,
+    async def _compute_overlapped(self, ticket: Ticket, grad: np.ndarray, compute_s: float,
                                   t0: float) -> tuple[np.ndarray, list[np.ndarray]]:
         """Compute with overlap (SimModelConfig.overlap): bucket k of B is ready, and enters its
         all-reduce, at compute * (k+1)/B, in order, as a real backward's hooks start them. The
@@ -227,7 +228,6 @@ class SimWorker:
         tail in it, as real runs do."""
         assert self.agent is not None and ticket.exchange is not None
         host, cfg = self.agent.host, self.env.model_cfg
-        grad, _ = self.env.data.shard_gradient(self.w, idx)
         buf, buckets = self._step_buffer(grad)
         for k, b in enumerate(buckets):
             await host.sleep(max(0.0, t0 + compute_s * (k + 1) / len(buckets) - host.now()))
