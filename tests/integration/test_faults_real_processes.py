@@ -2,7 +2,9 @@
 strict-equivalence and exactly-once checks against the single-process reference."""
 
 import json
+import os
 
+from phalanx.train.host_memory import worker_hugepage_env
 from tests.integration.conftest import assert_strict, events, train
 
 # Steps are paced to >= 80 ms (emulated compute) so a restarted or thawed worker rejoins while the
@@ -28,6 +30,11 @@ def test_sigkill_mid_allreduce_is_survived_and_the_restarted_worker_heals(tmp_pa
     seams = [json.loads(x) for x in (tmp_path / "run" / "workers" / "w0.jsonl").read_text().splitlines()
              if '"network_seams"' in x]
     assert seams and seams[0]["detail"].startswith("off")
+    # the launcher put each worker's heap on huge pages where this machine has them, so a killed
+    # worker's connections close sooner (train/host_memory.py)
+    memory = [json.loads(x) for x in (tmp_path / "run" / "workers" / "w0.jsonl").read_text().splitlines()
+              if '"host_memory"' in x]
+    assert memory and memory[0]["huge_pages"] == bool(worker_hugepage_env(os.environ)[0])
     f = s["faults"][0]
     assert f["detected_after_s"] is not None and f["recovered_after_s"] is not None
     evs = events(tmp_path / "run")

@@ -88,3 +88,45 @@ def test_the_largest_cpu_parameter_sets_the_plan_and_a_model_without_one_is_left
     monkeypatch.setattr(hm, "tune_for_tensors", lambda n: seen.append(n) or "tuned")
     assert hm.tune_for_parameters([torch.zeros(10), torch.zeros(3, 100)]) == "tuned" and seen == [1200]
     assert "no CPU parameters" in hm.tune_for_parameters([])
+
+
+@pytest.mark.parametrize("env, libc, mode, added, why", [
+    ({}, "glibc", "madvise", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "huge pages"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "glibc", "always",
+     {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}, "huge pages"),  # the user's kept
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "glibc", "madvise", {}, "sets glibc.malloc.hugetlb already"),
+    ({}, "glibc", "never", {}, "transparent huge pages are never"),
+    ({}, "glibc", "", {}, "not available"),
+    ({"PHALANX_MALLOC": "off"}, "glibc", "madvise", {}, "PHALANX_MALLOC=off"),
+    ({}, "musl", "madvise", {}, "not glibc"),
+    ({"LD_PRELOAD": "libtcmalloc.so"}, "glibc", "madvise", {}, "another allocator"),
+])
+def test_workers_heap_goes_on_huge_pages_unless_someone_chose_otherwise(
+        env: dict[str, str], libc: str, mode: str, added: dict[str, str], why: str) -> None:
+    got, said = hm.hugepage_env(env, libc, mode)
+    assert got == added and why in said
+    assert hm.heap_on_huge_pages({**env, **got}) == bool(added)
+
+
+def test_thp_mode_reads_the_bracketed_choice(tmp_path) -> None:
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert hm.thp_mode(str(f)) == "madvise"
+    assert hm.thp_mode(str(tmp_path / "missing")) == ""
+
+
+@pytest.mark.skipif(not hm.worker_hugepage_env({})[0], reason="no transparent huge pages for glibc's malloc here")
+def test_a_process_started_with_the_workers_environment_holds_its_tensors_on_huge_pages() -> None:
+    probe = ("import torch\n"
+             "t = torch.ones(16 * 2**20)  # 64 MiB\n"
+             "print(sum(int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages:')))\n")
+
+    def huge_kib(extra: dict[str, str]) -> int:
+        env = {k: v for k, v in __import__("os").environ.items() if k != "GLIBC_TUNABLES"}
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                             env={**env, **extra}, timeout=120)
+        return int(out.stdout.strip())
+
+    assert huge_kib(hm.worker_hugepage_env({})[0]) >= 32 * 1024  # most of the 64 MiB
+    if hm.thp_mode() == "madvise":
+        assert huge_kib({}) == 0  # without the tunable nothing asks for them

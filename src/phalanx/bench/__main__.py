@@ -1,4 +1,4 @@
-"""`python -m phalanx.bench training|sim|fidelity|serving|transport`: benchmarks that compare phalanx with a peer in one run."""
+"""`python -m phalanx.bench training|sim|fidelity|serving|transport|teardown`: benchmarks that compare phalanx with a peer in one run."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ def main() -> int:
         from phalanx.bench.serving import main as run  # type: ignore[no-redef]
     elif which == "transport":
         from phalanx.bench.transport_rtt import main as run  # type: ignore[no-redef]
+    elif which == "teardown":
+        from phalanx.bench.heap_teardown import main as run  # type: ignore[no-redef]
     else:
-        print("usage: python -m phalanx.bench training|sim|fidelity|serving|transport [options]", file=sys.stderr)
+        print("usage: python -m phalanx.bench training|sim|fidelity|serving|transport|teardown [options]", file=sys.stderr)
         return 2
     sys.argv = [f"phalanx.bench.{which}", *rest]
     return int(run() or 0)

@@ -61,6 +61,9 @@ def probe_process_exit_s(min_step_s: float, workers: int = 4, rounds: int = 5) -
 
     from torch.distributed import TCPStore
 
+    from phalanx.train.host_memory import worker_hugepage_env
+
+    env = {**os.environ, **worker_hugepage_env(os.environ)[0]}  # pages as the launcher gives its workers
     times = []
     for r in range(rounds):
         with socket.socket() as srv:
@@ -68,7 +71,7 @@ def probe_process_exit_s(min_step_s: float, workers: int = 4, rounds: int = 5) -
             srv.listen(workers)
             store = TCPStore("127.0.0.1", 0, workers + 1, True, wait_for_workers=False)
             procs = [subprocess.Popen([sys.executable, "-c", _PROBE, str(srv.getsockname()[1]), str(min_step_s),
-                                       str(store.port), str(rank), str(workers)]) for rank in range(workers)]
+                                       str(store.port), str(rank), str(workers)], env=env) for rank in range(workers)]
             conns = [srv.accept()[0] for _ in procs]
             try:
                 # accept order is not start order: each probe sends its pid first

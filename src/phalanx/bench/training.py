@@ -21,9 +21,10 @@ hooks and wait), Gloo's threads, phalanx's control threads, the coordinator and 
 worker reads its threads' CPU from /proc at the first measured step and the last: ``StepClock``).
 
 Both sides' processes get the same glibc malloc thresholds (train/host_memory.py: ``job.track()``
-sets them for phalanx's workers, the DDP worker sets the same), so the ratio is the protocols' cost.
-``--ddp-malloc both`` adds plain DDP with glibc's own rule ("ddp-glibc"), as a user runs it: at
-25 M parameters its optimizer's temporaries are mapped and faulted in again every step.
+sets them for phalanx's workers, the DDP worker sets the same) and the same heap pages (transparent
+huge pages where the launcher gives its workers them), so the ratio is the protocols' cost.
+``--ddp-malloc both`` adds plain DDP with glibc's own rule and pages ("ddp-glibc"), as a user runs
+it: at 25 M parameters its optimizer's temporaries are mapped and faulted in again every step.
 
 Their threads are scheduled alike too: DDP's process group is built on a thread marked
 ``SCHED_BATCH`` and its training thread gets nice +10, as ``phalanx.join()`` does for phalanx's
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,6 +57,7 @@ from phalanx.bench.workloads import WORKLOADS
 from phalanx.core.modes import ConsistencyMode, ModeConfig
 from phalanx.faults.plan import parse_fault_plan
 from phalanx.runtime.launcher import LaunchConfig, launch, python_argv
+from phalanx.train.host_memory import worker_hugepage_env
 
 STEPS = {"charlm": 60, "mlp-6m": 40, "mlp-25m": 25}
 SYSTEMS = ("ddp", "strict", "available")
@@ -80,8 +83,10 @@ def run_ddp(workers: int, steps: int, workload: str = "charlm", malloc: str = "t
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
+        # "tuned": the environment phalanx's launcher gives its workers (the heap on huge pages)
+        env = {**os.environ, **(worker_hugepage_env(os.environ)[0] if malloc == "tuned" else {})}
         procs = [subprocess.Popen([sys.executable, "-m", "phalanx.bench.ddp_worker", str(r), str(workers),
-                                   str(store.port), str(steps), str(out), workload, malloc, sched])
+                                   str(store.port), str(steps), str(out), workload, malloc, sched], env=env)
                  for r in range(workers)]
         for p in procs:
             if p.wait(timeout=900) != 0:

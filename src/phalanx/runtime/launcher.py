@@ -40,6 +40,7 @@ from phalanx.runtime.progress import Progress
 from phalanx.runtime.restart_hold import RESTART_HOLD_MAX_S, RestartHold
 from phalanx.runtime.run_dir import is_phalanx_run
 from phalanx.runtime.supervisor import Supervisor
+from phalanx.train.host_memory import worker_hugepage_env
 from phalanx.transport.real_host import RealHost
 from phalanx.transport.tcp import TcpTransport, TlsFiles
 
@@ -219,6 +220,7 @@ class _Run:
         env = {**os.environ, **cfg.extra_env, "PHALANX_COORDINATOR": address, "PHALANX_TOKEN_FILE": str(self.token_path),
                "PHALANX_RUN_DIR": str(cfg.run_dir), "PHALANX_DATA_SEED": str(cfg.data_seed), "PYTHONUNBUFFERED": "1",
                **network_seams_env(self.injector_plan, cfg.coordinator)}
+        env.update(worker_hugepage_env(env)[0])  # a killed worker's sockets close sooner (train/host_memory.py)
         self.sup = Supervisor(cfg.argv, env, cfg.run_dir, cfg.workers, cfg.restart_failed,
                               wrap=self.net.worker_command if self.net is not None else None,
                               joiners=cfg.fault_plan.joiners)

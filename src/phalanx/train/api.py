@@ -152,7 +152,8 @@ class Job:
             self._buckets = None
         self.model, self.optimizer = model, optimizer
         # the optimizer's temporaries come from malloc each step (train/host_memory.py)
-        self._spans.event("host_memory", detail=host_memory.tune_for_parameters(model.parameters()))
+        self._spans.event("host_memory", detail=host_memory.tune_for_parameters(model.parameters()),
+                          huge_pages=host_memory.heap_on_huge_pages())
         if overlap and self.mode != "local-sgd":
             self._buckets = GradientBuckets(list(model.parameters()), bucket_bytes)
         self._snapshot = None

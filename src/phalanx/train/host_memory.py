@@ -1,4 +1,6 @@
-"""glibc's malloc, set once for a training process, so large tensors stop page-faulting every step.
+"""glibc's malloc, set once for a training process, so large tensors stop page-faulting every step;
+and the workers' heap on transparent huge pages, so a killed worker's connections close sooner
+(``hugepage_env``, set by the launcher: see the section at the end).
 
 glibc serves an allocation at or above ``M_MMAP_THRESHOLD`` (128 KiB at start) with a fresh mmap,
 and gives the top of its heap back to the OS once more than ``M_TRIM_THRESHOLD`` of it is free. Both
@@ -102,3 +104,54 @@ def tune_for_parameters(params: Iterable[Any]) -> str:
     a model with none on the CPU leaves malloc alone (its temporaries are the GPU's)."""
     cpu_bytes = [p.numel() * p.element_size() for p in params if p.device.type == "cpu"]
     return tune_for_tensors(max(cpu_bytes)) if cpu_bytes else "malloc left as it is: no CPU parameters"
+
+
+# ---- the heap on transparent huge pages: a killed worker's sockets close sooner ----
+# A SIGKILLed process frees its memory before its file descriptors (the kernel's do_exit: exit_mm,
+# then exit_files), so its peers and the coordinator read its closed connection only once every
+# page is unmapped. On 4 KiB pages that is about 60 ms a GiB on this machine (a 4 GiB heap: 240 ms
+# idle, longer with the cores busy); on 2 MiB pages, a tenth (docs/BENCHMARKS.md, session 35).
+# glibc >= 2.35 puts its heap and mmapped blocks on transparent huge pages with this tunable (older
+# ones ignore a tunable they do not know). It is read at process start, so the launcher sets it in
+# the environment of the workers it starts (runtime/launcher.py).
+HUGETLB_TUNABLE = "glibc.malloc.hugetlb"
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode(path: str = THP_ENABLED) -> str:
+    """The kernel's transparent huge page mode (always, madvise, never), '' where it has none."""
+    try:
+        text = open(path, encoding="ascii").read()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else ""
+
+
+def hugepage_env(env: Mapping[str, str], libc_name: str, mode: str) -> tuple[dict[str, str], str]:
+    """What to add to a worker's environment so its malloc uses transparent huge pages, and why,
+    in words. Nothing where the process's allocator is left alone (``skip_reason``), where the
+    environment already sets ``glibc.malloc.hugetlb`` (the user's choice stands), or where the
+    kernel has no huge pages to give (``mode`` never or unknown). Other tunables are kept."""
+    why = skip_reason(env, libc_name)
+    if why:
+        return {}, f"heap pages left as they are: {why}"
+    current = env.get("GLIBC_TUNABLES", "")
+    if HUGETLB_TUNABLE in current:
+        return {}, f"heap pages left as they are: GLIBC_TUNABLES sets {HUGETLB_TUNABLE} already"
+    if mode not in ("always", "madvise"):
+        return {}, f"heap pages left as they are: transparent huge pages are {mode or 'not available'}"
+    tunables = f"{current}:{HUGETLB_TUNABLE}=1" if current else f"{HUGETLB_TUNABLE}=1"
+    return {"GLIBC_TUNABLES": tunables}, f"heap on transparent huge pages ({HUGETLB_TUNABLE}=1)"
+
+
+def worker_hugepage_env(env: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """``hugepage_env`` for this machine (Linux and glibc only)."""
+    if platform.system() != "Linux":
+        return {}, "heap pages left as they are: not Linux"
+    return hugepage_env(env, platform.libc_ver()[0], thp_mode())
+
+
+def heap_on_huge_pages(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process started with its malloc on transparent huge pages (for its log)."""
+    return f"{HUGETLB_TUNABLE}=1" in (os.environ if env is None else env).get("GLIBC_TUNABLES", "")
