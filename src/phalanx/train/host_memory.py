@@ -109,8 +109,8 @@ def tune_for_parameters(params: Iterable[Any]) -> str:
 # ---- the heap on transparent huge pages: a killed worker's sockets close sooner ----
 # A SIGKILLed process frees its memory before its file descriptors (the kernel's do_exit: exit_mm,
 # then exit_files), so its peers and the coordinator read its closed connection only once every
-# page is unmapped. On 4 KiB pages that is about 60 ms a GiB on this machine (a 4 GiB heap: 240 ms
-# idle, longer with the cores busy); on 2 MiB pages, a tenth (docs/BENCHMARKS.md, session 35).
+# page is unmapped. On 4 KiB pages that is 55-70 ms a GiB on this machine (4 GiB: 220-250 ms idle,
+# longer with the cores busy); on 2 MiB pages, a fifth to a tenth (docs/BENCHMARKS.md, session 35).
 # glibc >= 2.35 puts its heap and mmapped blocks on transparent huge pages with this tunable (older
 # ones ignore a tunable they do not know). It is read at process start, so the launcher sets it in
 # the environment of the workers it starts (runtime/launcher.py).
