@@ -10,7 +10,9 @@ coordinator and the peers read the closed connection (a kill's detection) only a
 measurement starts a process that imports torch and fills the given GiB with CPU tensors of
 64 MiB, connects to this one, and is SIGKILLed; the time is from the kill to this side's read of
 the end of the stream. ``--busy N`` keeps N processes spinning at nice +10 meanwhile, as a job's
-survivors compute while the victim is torn down.
+survivors compute while the victim is torn down. The last column says how much of each variant's
+heap was on huge pages: where the kernel's transparent huge pages are ``always`` rather than
+``madvise``, the variant without the tunable gets some too.
 """
 
 from __future__ import annotations
@@ -112,13 +114,16 @@ def main() -> int:
     sizes = [float(x) for x in args.gib.split(",") if x]
     rows = run(sizes, max(1, args.repeats), args.busy, console)
     t = Table(title=f"SIGKILL to the end of its socket's stream, by heap ({HUGETLB_TUNABLE}=1 against none)")
-    for col in ("heap", "4 KiB pages (each, ms)", "huge pages (each, ms)", "huge / 4 KiB (each pair)"):
+    for col in ("heap", "4 KiB pages (each, ms)", "huge pages (each, ms)", "huge / 4 KiB (each pair)",
+                "MiB on huge pages (4 KiB / huge)"):
         t.add_column(col)
     for row in rows:
         plain, huge = row["s"]["4 KiB pages"], row["s"]["huge pages"]
+        held = [max(row["huge_kib"][v]) >> 10 for v in ("4 KiB pages", "huge pages")]
         t.add_row(f"{row['gib']} GiB", ", ".join(f"{x * 1000:.1f}" for x in plain),
                   ", ".join(f"{x * 1000:.1f}" for x in huge),
-                  f"{statistics.median(row['ratio']):.2f} ({', '.join(f'{x:.2f}' for x in row['ratio'])})")
+                  f"{statistics.median(row['ratio']):.2f} ({', '.join(f'{x:.2f}' for x in row['ratio'])})",
+                  f"{held[0]} / {held[1]}")  # with the kernel's THP at "always" the first is not 0
     Console(width=max(Console().width, 140), stderr=True).print(t)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
