@@ -110,7 +110,8 @@ def tune_for_parameters(params: Iterable[Any]) -> str:
 # A SIGKILLed process frees its memory before its file descriptors (the kernel's do_exit: exit_mm,
 # then exit_files), so its peers and the coordinator read its closed connection only once every
 # page is unmapped. On 4 KiB pages that is 55-70 ms a GiB on this machine (4 GiB: 220-250 ms idle,
-# longer with the cores busy); on 2 MiB pages, a third (0.25 GiB) to an eighth (4 GiB) of that (docs/BENCHMARKS.md, session 35).
+# longer with the cores busy); on 2 MiB pages, a third (0.25 GiB) to an eighth (4 GiB) of that
+# (docs/BENCHMARKS.md, session 35).
 # glibc >= 2.35 puts its heap and mmapped blocks on transparent huge pages with this tunable (older
 # ones ignore a tunable they do not know). It is read at process start, so the launcher sets it in
 # the environment of the workers it starts (runtime/launcher.py).
