@@ -21,3 +21,11 @@ def test_each_kill_is_split_at_its_own_workers_connection_lost_and_suspicion():
     assert [p["at_step"] for p in parts] == [30, 110]
     assert abs(parts[0]["to_connection_lost_s"] - 0.05) < 1e-9 and abs(parts[0]["to_suspected_s"] - 0.0502) < 1e-9
     assert parts[1]["to_connection_lost_s"] is None and abs(parts[1]["to_suspected_s"] - 0.04) < 1e-9
+
+
+def test_each_kills_teardown_is_its_own_less_the_simulators_hop_or_the_probes():
+    from phalanx.bench.fidelity import teardowns_s
+
+    parts = [{"to_connection_lost_s": 0.030}, {"to_connection_lost_s": None}, {"to_connection_lost_s": 0.0005}]
+    got = teardowns_s(parts, hop_s=0.001, fallback_s=0.025)  # type: ignore[arg-type]
+    assert [round(x, 9) for x in got] == [0.029, 0.025, 0.0]

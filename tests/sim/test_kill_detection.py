@@ -30,3 +30,13 @@ def test_a_kill_is_detected_process_exit_s_later_than_with_an_instant_teardown()
     for a, b in zip(fast_s, slow_s):
         assert 0.035 <= b - a <= 0.045, (fast_s, slow_s)  # the teardown is charged, once
     assert _run(process_exit_s=0.04).digest == slow.digest  # same seed, same run
+
+
+def test_each_kill_takes_its_own_teardown_in_order_then_process_exit_s() -> None:
+    """``process_exits_s``: the k-th kill's connections close after the k-th teardown (the fidelity
+    benchmark passes the real run's own, as it does its restarts); past the list, ``process_exit_s``."""
+    instant = _detections_s(_run())
+    own = _detections_s(_run(process_exits_s=(0.01, 0.06), process_exit_s=0.5))
+    past = _detections_s(_run(process_exits_s=(0.03,), process_exit_s=0.02))
+    assert 0.005 <= own[0] - instant[0] <= 0.015 and 0.055 <= own[1] - instant[1] <= 0.065, (instant, own)
+    assert 0.025 <= past[0] - instant[0] <= 0.035 and 0.015 <= past[1] - instant[1] <= 0.025, (instant, past)

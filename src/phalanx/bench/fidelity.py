@@ -5,7 +5,7 @@ faults of each kind: a single freeze's detection depends on where it falls betwe
 the JSON keeps every fault's own times).
 
     python -m phalanx.bench fidelity [--steps 360] [--min-step-s 0.05] [--out runs/bench/fidelity.json]
-                                     [--keep-runs DIR] [--no-group-build]
+                                     [--keep-runs DIR] [--no-group-build] [--teardown run|probe]
 
 A second table says where each run's time went (steps of an unchanged quorum by world size, first
 steps of a new quorum by the change), so a gap in the mean can be traced to the steps that carry it.
@@ -86,7 +86,7 @@ def kill_detection_parts_s(events: list[dict[str, Any]]) -> list[dict[str, float
     (the SIGKILL follows at once) to the coordinator reading the killed worker's connection closed
     (``connection_lost``: the OS's teardown of the process, and the coordinator's loop getting to
     the socket), and from there to its ``worker_suspected`` (the protocol's part, which the simulator
-    runs as is). The simulator charges the first as the probe's ``process_exit_s`` plus one control hop."""
+    runs as is). The simulator charges the first as a teardown (``teardowns_s``) plus one control hop."""
     out: list[dict[str, float | None]] = []
     for i, e in enumerate(events):
         if e.get("event") != "fault_injected" or e.get("kind") != "kill":
@@ -102,6 +102,14 @@ def kill_detection_parts_s(events: list[dict[str, Any]]) -> list[dict[str, float
                 break
         out.append({"at_step": e.get("at_step"), "to_connection_lost_s": lost, "to_suspected_s": suspected})
     return out
+
+
+def teardowns_s(parts: list[dict[str, float | None]], hop_s: float, fallback_s: float) -> list[float]:
+    """Each real kill's OS teardown, in order, for the simulator's ``process_exits_s``: the time to
+    the coordinator reading the connection closed, less the one control hop the simulator adds on
+    top; a kill whose connection_lost the events lack takes ``fallback_s`` (the probe's)."""
+    return [max(0.0, p["to_connection_lost_s"] - hop_s) if p["to_connection_lost_s"] is not None else fallback_s
+            for p in parts]
 
 
 def _span_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -200,7 +208,8 @@ def _simulate(steps: int, c: dict[str, float]) -> Any:
                    collective=CollectiveModel(alpha_s=c["alpha_s"], beta_s_per_byte=0.0,
                                               group_build_s=c.get("group_build_s", 0.0)),
                    link=LinkModel(latency_s=c["control_latency_s"], jitter_s=c["control_latency_s"] / 4),
-                   process_exit_s=c["process_exit_s"], restart_delay_s=c["restart_delay_s"],
+                   process_exit_s=c["process_exit_s"], process_exits_s=tuple(c.get("process_exits_s", ())),
+                   restart_delay_s=c["restart_delay_s"],
                    restart_delays_s=tuple(c.get("restart_delays_s", ())), heal_load_s=c.get("heal_load_s", 0.0)).run()
 
 
@@ -221,6 +230,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--out", default="runs/bench/fidelity.json")
     ap.add_argument("--no-group-build", dest="group_build", action="store_false",
                     help="simulate without the measured group build and heal load costs (as before session 15)")
+    ap.add_argument("--teardown", choices=("run", "probe"), default="run",
+                    help="each simulated kill's OS teardown: the fault run's own, kill by kill (as its restarts), "
+                         "or the probe's median for all (before session 36)")
     ap.add_argument("--keep-runs", default="", help="keep the real runs' dirs (calib/, real/) under this folder")
     return ap.parse_args()
 
@@ -249,6 +261,10 @@ def _calibration(args: argparse.Namespace, calib_step: float, compute_s: float, 
     rejoins = rejoin_delays_s(list(real.events))
     calibration["restart_delay_s"] = statistics.median(rejoins) if rejoins else 2.0
     calibration["restart_delays_s"] = rejoins
+    # the OS's teardown of each killed process, from the same run (the probe's median predicts it: a row of its own)
+    if args.teardown == "run":
+        parts = kill_detection_parts_s(list(real.events))
+        calibration["process_exits_s"] = teardowns_s(parts, calibration["control_latency_s"], calibration["process_exit_s"])
     # a new quorum's group build, from the same run's spans (the fault-free run builds one group,
     # at step 0, in its warm-up); the simulator's rendezvous already charges two alphas of it
     builds = group_build_gaps_s(list(real.commits), real_spans)
@@ -290,6 +306,12 @@ def main() -> int:
         for what in ("detected", "recovered"):
             rows.append((f"{kind} x{len(rf)}: {'detection' if what == 'detected' else 'recovery'} (s, mean)",
                          _mean([f[f"{what}_after_s"] for f in rf]), _mean([f[f"{what}_after_s"] for f in sf])))
+    parts = kill_detection_parts_s(list(real.events))
+    # the OS's part alone, real against what the probe predicts (its median plus the control hop):
+    # the kill rows above charge each kill its own (--teardown run) or the probe's (--teardown probe)
+    rows.append((f"kill x{len(parts)}: to the connection's close, the probe's prediction (s, mean)",
+                 _mean([p["to_connection_lost_s"] for p in parts]),
+                 calibration["process_exit_s"] + calibration["control_latency_s"]))
     rows.append(("fault-free median step (s)", calib_step, None))
     t = Table(title="fidelity: real run vs calibrated simulation (4 workers, bundled model)")
     for c in ("measure", "real", "simulated", "sim / real"):
@@ -308,7 +330,6 @@ def main() -> int:
     console.print("fault run, Gloo threads' CPU per worker process (s; busiest thread's peak share of a core): "
                   + ", ".join(f"{g['worker']}/{g['pid']} {g['gloo_cpu_s']:.2f} ({g['busiest_gloo_thread_peak_core']:.0%})"
                               for g in gloo))
-    parts = kill_detection_parts_s(list(real.events))
     console.print("real kills, ms from the kill to the coordinator reading the connection closed / to suspecting "
                   f"the worker (probe's teardown: {1e3 * calibration['process_exit_s']:.1f}): " + ", ".join(
                       f"{1e3 * p['to_connection_lost_s']:.1f} / {1e3 * p['to_suspected_s']:.1f}" for p in parts

@@ -116,6 +116,7 @@ class Cluster:
     modes: ModeConfig = field(default_factory=ModeConfig)  # strict, available or local-sgd
     checkpoint_every_steps: int = 0  # durable (in-memory) checkpoints every K steps; the last step always
     process_exit_s: float = 0.0  # a killed process's sockets reset this long after the kill
+    process_exits_s: tuple[float, ...] = ()  # the k-th worker kill's reset takes the k-th of these (a real run's own)
     gradient_bytes: int = 0  # > 0: collectives cost as for a model with this many gradient bytes
     min_workers: int = 1  # the quorum's floor (the launcher's --min-workers); N = a fixed world
     # Lab only (refused outside a lab session): False = a restarted coordinator starts without the
@@ -232,6 +233,7 @@ class Cluster:
         env = SimWorkerEnv(self.net, self.pgf, self.data, self.model_cfg, self.coordinator_address, self.seed,
                            self.steps, self.max_virtual_s, SimCheckpoints(), heal_load_s=self.heal_load_s)
         self._restarts_begun = 0
+        self._kills = 0
         self.sim_workers = [SimWorker(env, self, i) for i in range(self.workers)]
         self._to_join = {f"w{i}" for i in self.plan.joiners}  # not there yet: started by their join fault
         for w in self.sim_workers:
@@ -388,7 +390,8 @@ class Cluster:
                 return
             if w.agent is not None:
                 self._killed.add((w.worker_id, w.agent.incarnation))
-            w.crash()
+            k_th, self._kills = self._kills, self._kills + 1
+            w.crash(self.process_exits_s[k_th] if k_th < len(self.process_exits_s) else None)
             self._note_state_loss()
             if not f.restart:
                 w.gone = True

@@ -137,8 +137,9 @@ class SimNetwork:
             return task
         loop.set_task_factory(factory)
 
-    def crash(self, node: SimNode) -> None:
-        """SIGKILL: every task stops, every connection is reset, listeners vanish. A cancelled task
+    def crash(self, node: SimNode, process_exit_s: float | None = None) -> None:
+        """SIGKILL: every task stops, every connection is reset (``process_exit_s`` after the kill:
+        this crash's own teardown, else the network's), listeners vanish. A cancelled task
         can swallow its CancelledError (Python 3.11's wait_for does when the awaited future is
         already done), so every transport call of a dead incarnation raises CancelledError again:
         a killed process never talks again."""
@@ -147,9 +148,10 @@ class SimNetwork:
         for addr in node.listeners:
             self._listeners.pop(addr, None)
         node.listeners.clear()
+        exit_s = self.process_exit_s if process_exit_s is None else process_exit_s
         for c in sorted(node.connections, key=lambda c: c.cid):
-            if self.process_exit_s > 0:
-                asyncio.get_running_loop().call_later(self.process_exit_s, c.close, "peer process died", True)
+            if exit_s > 0:
+                asyncio.get_running_loop().call_later(exit_s, c.close, "peer process died", True)
             else:
                 c.close("peer process died", reset=True)
         for t in list(node.tasks):

@@ -119,8 +119,8 @@ class SimWorker:
         self.engine = StepEngine(self.agent, self, self, self)
         self.task = env.net.spawn(self.node, self._run(), "loop")
 
-    def crash(self) -> None:
-        self.env.net.crash(self.node)
+    def crash(self, process_exit_s: float | None = None) -> None:
+        self.env.net.crash(self.node, process_exit_s)
         self.agent = None
 
     @property
