@@ -1,8 +1,10 @@
 """Fidelity: the same scenario (4 workers, the bundled model, six kills and two freezes) for real
 and in the simulator, with the simulator's compute and collective costs calibrated from a
-fault-free real run. Reports step, detection and recovery times side by side (means over the
-faults of each kind: a single freeze's detection depends on where it falls between heartbeats;
-the JSON keeps every fault's own times).
+fault-free real run and its OS-side costs (each kill's teardown, each restart's delay, a new
+quorum's group build, a heal's load) from the fault run itself. Reports step, detection and
+recovery times side by side (means over the faults of each kind: a single freeze's detection
+depends on where it falls between heartbeats; the JSON keeps every fault's own times), and how
+well a separate probe predicts the kills' teardown.
 
     python -m phalanx.bench fidelity [--steps 360] [--min-step-s 0.05] [--out runs/bench/fidelity.json]
                                      [--keep-runs DIR] [--no-group-build] [--teardown run|probe]
@@ -190,7 +192,8 @@ def _calibrate(compute_s: float, allreduce_s: float, calib_step: float, process_
     work outside both spans (the optimizer step, the loop). The spans cannot tell the collective from
     the round trip, so the all-reduce span is split evenly: half for the one collective (a 4-rank
     ring, 2(n-1) alphas), half for the two one-way control hops. The gap is local work, so it is
-    charged as compute. Plus the OS's process teardown after SIGKILL (a one-off probe)."""
+    charged as compute. Plus the OS's process teardown after SIGKILL as a probe measures it (the
+    prediction; each simulated kill is charged its real kill's own unless ``--teardown probe``)."""
     gap_s = max(0.0, calib_step - compute_s - allreduce_s)
     return {"gap_s": gap_s, "step_compute_s": compute_s + gap_s, "alpha_s": (allreduce_s / 2) / (2 * 3),
             "control_latency_s": max(0.0002, allreduce_s / 4), "process_exit_s": process_exit_s}
@@ -253,9 +256,9 @@ def _real_runs(args: argparse.Namespace, console: Console) -> tuple[Any, Any, li
 
 def _calibration(args: argparse.Namespace, calib_step: float, compute_s: float, allreduce_s: float, real: Any,
                  real_spans: list[dict[str, Any]]) -> tuple[dict[str, Any], list[float]]:
-    """The simulator's costs: the fault-free run's step (``_calibrate``), the OS's teardown (a
-    probe), and from the fault run itself each restart's delay (in order: the k-th kill's process
-    came back after the k-th), a new quorum's group build and the healed worker's state load."""
+    """The simulator's costs: the fault-free run's step (``_calibrate``), the OS's teardown as a
+    probe predicts it, and from the fault run itself each kill's teardown and each restart's delay
+    (in order: the k-th kill's), a new quorum's group build and the healed worker's state load."""
     calibration: dict[str, Any] = _calibrate(compute_s, allreduce_s, calib_step, probe_process_exit_s(args.min_step_s))
     # the simulator's default is 2 s; a real restart here takes what the run's events say
     rejoins = rejoin_delays_s(list(real.events))
