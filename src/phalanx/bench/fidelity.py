@@ -110,8 +110,7 @@ def teardowns_s(parts: list[dict[str, float | None]], hop_s: float, fallback_s: 
     """Each real kill's OS teardown, in order, for the simulator's ``process_exits_s``: the time to
     the coordinator reading the connection closed, less the one control hop the simulator adds on
     top; a kill whose connection_lost the events lack takes ``fallback_s`` (the probe's)."""
-    return [max(0.0, p["to_connection_lost_s"] - hop_s) if p["to_connection_lost_s"] is not None else fallback_s
-            for p in parts]
+    return [max(0.0, t - hop_s) if (t := p["to_connection_lost_s"]) is not None else fallback_s for p in parts]
 
 
 def _span_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -199,7 +198,7 @@ def _calibrate(compute_s: float, allreduce_s: float, calib_step: float, process_
             "control_latency_s": max(0.0002, allreduce_s / 4), "process_exit_s": process_exit_s}
 
 
-def _simulate(steps: int, c: dict[str, float]) -> Any:
+def _simulate(steps: int, c: dict[str, Any]) -> Any:
     from phalanx.faults.plan import parse_fault_plan
     from phalanx.sim.cluster import Cluster
     from phalanx.sim.network import LinkModel
