@@ -254,10 +254,11 @@ def _real_runs(args: argparse.Namespace, console: Console) -> tuple[Any, Any, li
 
 
 def _calibration(args: argparse.Namespace, calib_step: float, compute_s: float, allreduce_s: float, real: Any,
-                 real_spans: list[dict[str, Any]]) -> tuple[dict[str, Any], list[float]]:
+                 real_spans: list[dict[str, Any]], parts: list[dict[str, float | None]]) -> tuple[dict[str, Any], list[float]]:
     """The simulator's costs: the fault-free run's step (``_calibrate``), the OS's teardown as a
     probe predicts it, and from the fault run itself each kill's teardown and each restart's delay
-    (in order: the k-th kill's), a new quorum's group build and the healed worker's state load."""
+    (in order: the k-th kill's; ``parts``, its ``kill_detection_parts_s``), a new quorum's group
+    build and the healed worker's state load."""
     calibration: dict[str, Any] = _calibrate(compute_s, allreduce_s, calib_step, probe_process_exit_s(args.min_step_s))
     # the simulator's default is 2 s; a real restart here takes what the run's events say
     rejoins = rejoin_delays_s(list(real.events))
@@ -265,7 +266,6 @@ def _calibration(args: argparse.Namespace, calib_step: float, compute_s: float, 
     calibration["restart_delays_s"] = rejoins
     # the OS's teardown of each killed process, from the same run (the probe's median predicts it: a row of its own)
     if args.teardown == "run":
-        parts = kill_detection_parts_s(list(real.events))
         calibration["process_exits_s"] = teardowns_s(parts, calibration["control_latency_s"], calibration["process_exit_s"])
     # a new quorum's group build, from the same run's spans (the fault-free run builds one group,
     # at step 0, in its warm-up); the simulator's rendezvous already charges two alphas of it
@@ -292,7 +292,8 @@ def main() -> int:
               "faults": decision_spread_s(list(real.commits), real_spans)}
     calib_step = _median_step(calib.commits)
     assert calib_step is not None, "the calibration run committed too few steps"
-    calibration, builds = _calibration(args, calib_step, compute_s, allreduce_s, real, real_spans)
+    parts = kill_detection_parts_s(list(real.events))
+    calibration, builds = _calibration(args, calib_step, compute_s, allreduce_s, real, real_spans, parts)
     sim_result = _simulate(args.steps, calibration)
     sim = sim_result.summary
     # A run with six kills spends ~40 % of its steps with three workers (a restarted process takes
@@ -308,7 +309,6 @@ def main() -> int:
         for what in ("detected", "recovered"):
             rows.append((f"{kind} x{len(rf)}: {'detection' if what == 'detected' else 'recovery'} (s, mean)",
                          _mean([f[f"{what}_after_s"] for f in rf]), _mean([f[f"{what}_after_s"] for f in sf])))
-    parts = kill_detection_parts_s(list(real.events))
     # the OS's part alone, real against what the probe predicts (its median plus the control hop):
     # the kill rows above charge each kill its own (--teardown run) or the probe's (--teardown probe)
     rows.append((f"kill x{len(parts)}: to the connection's close, the probe's prediction (s, mean)",
